@@ -1,0 +1,44 @@
+# vramguard: `make up` runs the stack, `make test` runs the suite. See README.md.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU wheel for local use and CI; the worker image (deploy/Dockerfile.worker) brings CUDA.
+TORCH_VERSION ?= 2.13.0
+MODEL ?= minilm
+WORKERS ?= 1
+PYTEST_ARGS ?=
+
+.PHONY: up test test-fast lint bench clean help
+
+help:
+	@echo "make up [MODEL=minilm|synthetic] [WORKERS=N]   start Redis, gateway and workers (foreground)"
+	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
+	@echo "make test-fast                                 the suite without the slow (chaos) tests"
+	@echo "make bench                                     reproduce bench/RESULTS.md"
+	@echo "make lint                                      ruff and mypy --strict"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e ".[worker,redis,test]"
+	touch $@
+
+up: $(VENV)/.installed
+	$(BIN)/python deploy/up.py --model $(MODEL) --workers $(WORKERS)
+
+test: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: $(VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed
+	$(BIN)/pip install --quiet ruff mypy
+	$(BIN)/ruff check shared gateway worker tests deploy
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .run .pytest_cache test-artifacts

@@ -1,0 +1,91 @@
+"""The FastAPI application: `create_app(settings)` wires Redis, the ReplyListener, Health and
+the Dispatcher in its lifespan, and renders every error as
+`{"error": {"code", "message", "request_id"}}` with the status from shared/errors.py."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from gateway.dispatch import Dispatcher
+from gateway.health import Health
+from gateway.replies import ReplyListener
+from gateway.routes import router
+from shared.errors import QueueFullError, UnavailableError, VramguardError
+from shared.keys import Keys
+from shared.redis_client import connect, connect_blocking
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def error_body(code: str, message: str, request_id: str | None) -> dict[str, object]:
+    return {"error": {"code": code, "message": message, "request_id": request_id}}
+
+
+def create_app(settings: Settings) -> FastAPI:
+    """Build the gateway app for `settings`. Redis is connected in the lifespan, not here."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        gateway_id = uuid.uuid4().hex[:12]
+        keys = Keys(settings.key_prefix)
+        redis = connect(settings)
+        blocking = connect_blocking(settings)
+        listener = ReplyListener(settings, redis, blocking, keys.reply_stream(gateway_id))
+        health = Health(settings, redis, keys)
+        app.state.settings = settings
+        app.state.health = health
+        app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
+        await listener.start()
+        await health.start()
+        log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
+        try:
+            yield
+        finally:
+            # Reverse order of startup: stop admitting, drain, fail the rest, stop readers, close.
+            health.shutting_down = True
+            await _drain(listener, settings.shutdown_grace_s)
+            listener.fail_all(UnavailableError("the gateway shut down before the reply came"))
+            await health.stop()
+            await listener.stop()
+            await blocking.aclose()
+            await redis.aclose()
+            log.info("gateway stopped", extra={"gateway_id": gateway_id})
+
+    app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan)
+    app.include_router(router)
+    _install_error_handlers(app)
+    return app
+
+
+async def _drain(listener: ReplyListener, grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    until = loop.time() + grace_s
+    while listener.waiting and loop.time() < until:
+        await asyncio.sleep(0.05)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(VramguardError)
+    async def _vramguard_error(request: Request, exc: VramguardError) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFullError) else None
+        return JSONResponse(
+            error_body(exc.code, exc.message, exc.request_id), status_code=exc.http_status, headers=headers
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body("invalid_input", str(exc.errors()[:3]), None), status_code=422)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", extra={"path": request.url.path})
+        return JSONResponse(error_body("internal", "internal error", None), status_code=500)

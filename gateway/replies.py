@@ -1,0 +1,139 @@
+"""Hop 5: `ReplyListener`, the one task per gateway that reads this gateway's reply stream and
+resolves the future of each waiting request. A reply for a request nobody waits for any
+more (timed out, or a duplicate of an at-least-once redelivery) is dropped here."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import redis.asyncio as aioredis
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisError
+
+from shared.periodic import Periodic
+from shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+READ_COUNT = 512  # replies taken per XREAD
+
+
+class ReplyListener:
+    """Owns `stream` (this gateway's reply stream) and the futures waiting on it.
+
+    The stream carries a TTL of `reply_stream_ttl_s`, refreshed every heartbeat interval while
+    the gateway lives, so a dead gateway's stream expires; workers write with NOMKSTREAM and
+    never recreate it.
+    """
+
+    def __init__(self, settings: Settings, redis: aioredis.Redis, blocking: aioredis.Redis, stream: str) -> None:
+        self.stream = stream
+        self._settings = settings
+        self._redis = redis
+        self._blocking = blocking
+        self._waiters: dict[RequestId, asyncio.Future[ReplyMessage]] = {}
+        self._last_id = b"0-0"
+        self._reader: asyncio.Task[None] | None = None
+        self._keepalive = Periodic("reply-keepalive", self._keep_alive, settings.heartbeat_interval_ms / 1000)
+        self._stopping = False
+        self.replies_dropped = 0
+
+    def __repr__(self) -> str:
+        return f"<ReplyListener {self.stream} waiting={len(self._waiters)} dropped={self.replies_dropped}>"
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def register(self, request_id: RequestId) -> asyncio.Future[ReplyMessage]:
+        """A future for `request_id`'s reply. Register before the XADD so a fast reply finds it."""
+        future: asyncio.Future[ReplyMessage] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = future
+        return future
+
+    def discard(self, request_id: RequestId) -> None:
+        """Forget `request_id` (call in `finally`); a later reply for it is dropped."""
+        self._waiters.pop(request_id, None)
+
+    def fail_all(self, error: BaseException) -> None:
+        """Fail every waiting request with `error` (gateway shutdown past its grace period)."""
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(error)
+
+    async def start(self) -> None:
+        """Create the reply stream and start reading; raises RedisError if Redis is down at start."""
+        await self._ensure_stream()
+        self._reader = asyncio.create_task(self._read_loop(), name="reply-listener")
+        self._keepalive.start()
+
+    async def stop(self) -> None:
+        """Stop reading and delete the stream. The blocked XREAD is left to return on its own
+        (within block_ms): cancelling a command mid-read is what poisons redis-py connections."""
+        self._stopping = True
+        await self._keepalive.stop()
+        if self._reader is not None:
+            await asyncio.wait([self._reader], timeout=self._settings.block_ms / 1000 + 1.0)
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        try:
+            await self._redis.delete(self.stream)
+        except RedisError:
+            pass  # it expires on its own
+
+    async def _ensure_stream(self) -> None:
+        # An init entry creates the stream so it can carry a TTL; readers skip it (no ENTRY_FIELD).
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.xadd(self.stream, {b"init": b"1"}, maxlen=self._settings.reply_stream_maxlen, approximate=True)
+            pipe.expire(self.stream, self._settings.reply_stream_ttl_s)
+            await pipe.execute()
+
+    async def _keep_alive(self) -> None:
+        try:
+            if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
+                log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
+                await self._ensure_stream()
+        except RedisError as exc:
+            log.warning("reply stream keepalive failed", extra={"error": str(exc)})
+
+    async def _read_loop(self) -> None:
+        backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
+        failures = 0
+        while not self._stopping:
+            try:
+                response = await self._blocking.xread(
+                    {self.stream: self._last_id}, count=READ_COUNT, block=self._settings.block_ms
+                )
+                failures = 0
+            except RedisError as exc:
+                failures += 1
+                log.warning("reply read failed", extra={"error": str(exc), "failures": failures})
+                await asyncio.sleep(backoff.compute(failures))
+                continue
+            for _stream, entries in response or ():
+                await self._deliver(entries)
+
+    async def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+        ids = []
+        for entry_id, fields in entries:
+            ids.append(entry_id)
+            self._last_id = entry_id
+            data = fields.get(ENTRY_FIELD)
+            if data is None:
+                continue  # the init entry
+            try:
+                reply = ReplyMessage.decode(data)
+            except ProtocolError as exc:
+                log.error("undecodable reply dropped", extra={"entry_id": entry_id.decode(), "error": str(exc)})
+                continue
+            future = self._waiters.get(reply.request_id)
+            if future is None or future.done():
+                self.replies_dropped += 1  # late (caller timed out) or a duplicate delivery
+                continue
+            future.set_result(reply)
+        try:
+            await self._redis.xdel(self.stream, *ids)
+        except RedisError:
+            pass  # bounded by MAXLEN and the TTL anyway

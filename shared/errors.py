@@ -1,0 +1,117 @@
+"""The error tree every client-visible failure belongs to, with its wire `code` and HTTP status.
+
+    VramguardError                 500 internal
+    ├── InvalidInputError          422 invalid_input      (400 for an unparseable body)
+    ├── UnauthorizedError          401 unauthorized
+    ├── ModelNotFoundError         404 model_not_found
+    ├── PayloadTooLargeError       413 payload_too_large
+    ├── InputTooLargeError         413 input_too_large
+    ├── QueueFullError             429 queue_full         (carries retry_after_s)
+    ├── ModelError                 500 model_error
+    ├── UnavailableError           503 unavailable
+    └── DeadlineExceededError      504 deadline_exceeded
+
+Workers send only `code` and `message` on the wire; `error_from_code` rebuilds the class.
+"""
+
+from __future__ import annotations
+
+
+class VramguardError(Exception):
+    """Root of every error a client can see; the table above is in ../shared/DESIGN.md."""
+
+    code: str = "internal"
+    http_status: int = 500
+
+    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.request_id = request_id
+
+
+class InvalidInputError(VramguardError):
+    """The body or an input breaks the model's schema: wrong type, empty, non-finite, bad shape."""
+
+    code = "invalid_input"
+    http_status = 422
+
+
+class UnauthorizedError(VramguardError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class ModelNotFoundError(VramguardError):
+    code = "model_not_found"
+    http_status = 404
+
+
+class PayloadTooLargeError(VramguardError):
+    code = "payload_too_large"
+    http_status = 413
+
+
+class InputTooLargeError(VramguardError):
+    """An input that cannot fit the worker's memory budget even in a batch of one."""
+
+    code = "input_too_large"
+    http_status = 413
+
+
+class QueueFullError(VramguardError):
+    """The model's queued + in-flight entries are over `queue_bound`; nothing was enqueued."""
+
+    code = "queue_full"
+    http_status = 429
+
+    def __init__(self, message: str, *, retry_after_s: int = 1, request_id: str | None = None) -> None:
+        super().__init__(message, request_id=request_id)
+        self.retry_after_s = retry_after_s
+
+
+class ModelError(VramguardError):
+    """The model raised on this input (or returned the wrong number of outputs)."""
+
+    code = "model_error"
+    http_status = 500
+
+
+class UnavailableError(VramguardError):
+    """Redis is unreachable, or no live worker serves the model."""
+
+    code = "unavailable"
+    http_status = 503
+
+
+class DeadlineExceededError(VramguardError):
+    """The request was not answered before its `deadline_ms`."""
+
+    code = "deadline_exceeded"
+    http_status = 504
+
+
+_BY_CODE: dict[str, type[VramguardError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidInputError,
+        UnauthorizedError,
+        ModelNotFoundError,
+        PayloadTooLargeError,
+        InputTooLargeError,
+        QueueFullError,
+        ModelError,
+        UnavailableError,
+        DeadlineExceededError,
+    )
+}
+
+
+def error_from_code(code: str, message: str, *, request_id: str | None = None) -> VramguardError:
+    """Rebuild the error a worker reported by its wire `code`; an unknown code becomes `ModelError`."""
+    cls = _BY_CODE.get(code, ModelError)
+    return cls(message, request_id=request_id)
+
+
+def all_error_classes() -> dict[str, type[VramguardError]]:
+    """Every client-visible error class by its code (a copy; for tests and docs)."""
+    return dict(_BY_CODE)

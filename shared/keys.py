@@ -1,0 +1,36 @@
+"""Every Redis key and the consumer group name, in one place (../shared/DESIGN.md "Shape").
+
+    <prefix>:req:<model>        request stream, consumer group `workers`
+    <prefix>:rep:<gateway_id>   reply stream of one gateway process
+    <prefix>:dlq:<model>        dead-letter stream
+    <prefix>:hb:<worker_id>     heartbeat hash (with a TTL)
+    <prefix>:workers:<model>    sorted set worker_id -> last heartbeat (epoch ms)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "workers"
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Key builder bound to one `prefix` (Settings.key_prefix), so tests can isolate themselves."""
+
+    prefix: str = "vramguard"
+
+    def request_stream(self, model: str) -> str:
+        return f"{self.prefix}:req:{model}"
+
+    def reply_stream(self, gateway_id: str) -> str:
+        return f"{self.prefix}:rep:{gateway_id}"
+
+    def dead_letter_stream(self, model: str) -> str:
+        return f"{self.prefix}:dlq:{model}"
+
+    def heartbeat(self, worker_id: str) -> str:
+        return f"{self.prefix}:hb:{worker_id}"
+
+    def worker_index(self, model: str) -> str:
+        return f"{self.prefix}:workers:{model}"

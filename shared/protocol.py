@@ -1,0 +1,189 @@
+"""Wire messages between gateway and workers: msgpack, never pickle.
+
+A request is one stream entry with a single field `m` holding a packed `RequestMessage`; a
+reply is one entry on the gateway's reply stream with field `m` holding a packed
+`ReplyMessage`. Arrays travel as a msgpack extension (type `ARRAY_EXT`) whose payload is
+`[dtype.str, shape, raw C-order bytes]`, so a float32 [384] embedding costs 1.5 KiB, not JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NewType, TypeAlias
+
+import msgpack
+import numpy as np
+
+from shared.errors import InvalidInputError
+
+PROTOCOL_VERSION = 1
+ARRAY_EXT = 42
+ENTRY_FIELD = b"m"
+
+RequestId = NewType("RequestId", str)
+EntryId = NewType("EntryId", str)
+
+# What may travel as an input or an output value: msgpack natives plus numpy arrays.
+Value: TypeAlias = "None | bool | int | float | str | bytes | np.ndarray | list[Value] | dict[str, Value]"
+
+_ALLOWED_DTYPES = frozenset({"|b1", "|u1", "|i1", "<i2", "<i4", "<i8", "<u2", "<u4", "<f2", "<f4", "<f8"})
+
+
+class ProtocolError(InvalidInputError):
+    """Bytes that are not a valid message of this protocol version."""
+
+
+def _default(obj: object) -> msgpack.ExtType:
+    if isinstance(obj, np.ndarray):
+        arr = np.ascontiguousarray(obj)
+        if arr.dtype.str not in _ALLOWED_DTYPES:
+            raise TypeError(f"dtype {arr.dtype} cannot travel on the wire")
+        payload = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()], use_bin_type=True)
+        return msgpack.ExtType(ARRAY_EXT, payload)
+    if isinstance(obj, np.generic):
+        return obj.item()  # type: ignore[no-any-return]
+    raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
+
+
+def _ext_hook(code: int, data: bytes) -> object:
+    if code != ARRAY_EXT:
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+    dtype, shape, raw = msgpack.unpackb(data, raw=False)
+    if dtype not in _ALLOWED_DTYPES:
+        raise ProtocolError(f"dtype {dtype!r} is not allowed on the wire")
+    arr = np.frombuffer(raw, dtype=np.dtype(dtype))
+    try:
+        return arr.reshape(shape)
+    except ValueError as exc:
+        raise ProtocolError(f"array of {arr.size} elements does not fit shape {shape}") from exc
+
+
+def pack(obj: object) -> bytes:
+    """Encode msgpack natives and numpy arrays. Raises TypeError for anything else."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack(data: bytes) -> object:
+    """Decode what `pack` wrote. Raises ProtocolError on malformed bytes."""
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=True)
+    except ProtocolError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"malformed message: {exc}") from exc
+
+
+def _field(d: Mapping[str, object], name: str, kind: type | tuple[type, ...]) -> object:
+    value = d.get(name)
+    if not isinstance(value, kind):
+        raise ProtocolError(f"field {name!r} missing or of the wrong type")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMessage:
+    """One client request as a worker sees it.
+
+    `inputs` holds one value per item (a request with 3 inputs counts 3 toward
+    `max_batch_size`); `deadline_ms` and `enqueued_ms` are epoch ms (shared.clock.now_ms);
+    `reply_to` is the gateway's reply stream key.
+    """
+
+    request_id: RequestId
+    model: str
+    inputs: list[object]
+    reply_to: str
+    deadline_ms: int
+    enqueued_ms: int
+    parameters: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def n_items(self) -> int:
+        return len(self.inputs)
+
+    def encode(self) -> bytes:
+        return pack(
+            {
+                "v": PROTOCOL_VERSION,
+                "request_id": self.request_id,
+                "model": self.model,
+                "inputs": self.inputs,
+                "reply_to": self.reply_to,
+                "deadline_ms": self.deadline_ms,
+                "enqueued_ms": self.enqueued_ms,
+                "parameters": self.parameters,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> RequestMessage:
+        """Raises ProtocolError for bytes that are not a version-1 request."""
+        d = unpack(data)
+        if not isinstance(d, dict) or d.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError("not a request message of protocol version 1")
+        return cls(
+            request_id=RequestId(str(_field(d, "request_id", str))),
+            model=str(_field(d, "model", str)),
+            inputs=list(_field(d, "inputs", list)),  # type: ignore[call-overload]
+            reply_to=str(_field(d, "reply_to", str)),
+            deadline_ms=int(_field(d, "deadline_ms", int)),  # type: ignore[call-overload]
+            enqueued_ms=int(_field(d, "enqueued_ms", int)),  # type: ignore[call-overload]
+            parameters=dict(_field(d, "parameters", dict)),  # type: ignore[call-overload]
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyMessage:
+    """A worker's answer to one request: `outputs` (one value per input) or an error.
+
+    `error_code` is one of shared.errors' codes; `batch_size` is the number of items in the
+    forward that served it; `queue_delay_ms` is enqueue to batch start.
+    """
+
+    request_id: RequestId
+    outputs: list[object] | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+    worker_id: str = ""
+    batch_size: int = 0
+    queue_delay_ms: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error_code is None
+
+    def encode(self) -> bytes:
+        return pack(
+            {
+                "v": PROTOCOL_VERSION,
+                "request_id": self.request_id,
+                "outputs": self.outputs,
+                "error_code": self.error_code,
+                "error_message": self.error_message,
+                "worker_id": self.worker_id,
+                "batch_size": self.batch_size,
+                "queue_delay_ms": self.queue_delay_ms,
+            }
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> ReplyMessage:
+        """Raises ProtocolError for bytes that are not a version-1 reply."""
+        d = unpack(data)
+        if not isinstance(d, dict) or d.get("v") != PROTOCOL_VERSION:
+            raise ProtocolError("not a reply message of protocol version 1")
+        outputs = d.get("outputs")
+        return cls(
+            request_id=RequestId(str(_field(d, "request_id", str))),
+            outputs=list(outputs) if isinstance(outputs, list) else None,
+            error_code=d.get("error_code"),
+            error_message=d.get("error_message"),
+            worker_id=str(d.get("worker_id", "")),
+            batch_size=int(d.get("batch_size", 0)),
+            queue_delay_ms=float(d.get("queue_delay_ms", 0.0)),
+        )
+
+    @classmethod
+    def failure(cls, request_id: RequestId, code: str, message: str, **kw: object) -> ReplyMessage:
+        return cls(request_id=request_id, error_code=code, error_message=message, **kw)  # type: ignore[arg-type]

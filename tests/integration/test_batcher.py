@@ -1,0 +1,87 @@
+"""The batch window on a real Redis stream: items (not entries) fill a batch, the window waits
+only after a busy batch, and entries read past a full batch are carried over, not lost."""
+
+from __future__ import annotations
+
+import redis.asyncio as aioredis
+
+from shared.keys import GROUP
+from shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
+from worker.batcher import Batcher
+
+
+async def enqueue(redis: aioredis.Redis, stream: str, n_inputs: int, tag: str) -> None:
+    msg = RequestMessage(RequestId(tag), "synthetic", list(range(n_inputs)), "rep", 10**13, 0)
+    await redis.xadd(stream, {ENTRY_FIELD: msg.encode()})
+
+
+async def make_batcher(redis: aioredis.Redis, stream: str, max_batch_size: int, max_wait_ms: float) -> Batcher:
+    await redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+    return Batcher(redis, stream, "c1", max_batch_size=max_batch_size, max_wait_ms=max_wait_ms, block_ms=50)
+
+
+def tags(batch: list) -> list[str]:
+    return [e.message.request_id for e in batch]
+
+
+async def test_inputs_count_toward_max_batch_size_and_overflow_is_carried(redis_client) -> None:
+    stream = "t:req:batcher1"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=4, max_wait_ms=0)
+    for tag, n in [("a", 3), ("b", 2), ("c", 1)]:
+        await enqueue(redis_client, stream, n, tag)
+    first = await batcher.read_batch()
+    assert tags(first) == ["a"]  # a (3) + b (2) would be 5 > 4
+    second = await batcher.read_batch()
+    assert tags(second) == ["b", "c"]  # b came from the carry-over, in order
+    assert await batcher.read_batch() == []
+
+
+async def test_an_entry_larger_than_the_cap_is_taken_alone(redis_client) -> None:
+    stream = "t:req:batcher2"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=2, max_wait_ms=0)
+    await enqueue(redis_client, stream, 5, "big")
+    await enqueue(redis_client, stream, 1, "small")
+    assert tags(await batcher.read_batch()) == ["big"]
+    assert tags(await batcher.read_batch()) == ["small"]
+
+
+async def test_window_fills_the_batch_after_a_busy_batch(redis_client) -> None:
+    stream = "t:req:batcher3"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=8, max_wait_ms=300)
+    for i in range(2):
+        await enqueue(redis_client, stream, 1, f"busy{i}")
+    assert len(await batcher.read_batch()) == 2  # idle before: no window, takes what is there
+
+    import asyncio
+
+    async def trickle() -> None:
+        for i in range(3):
+            await asyncio.sleep(0.03)
+            await enqueue(redis_client, stream, 1, f"late{i}")
+
+    await enqueue(redis_client, stream, 1, "first")
+    task = asyncio.create_task(trickle())
+    batch = await batcher.read_batch()  # previous batch had 2 items: the window is open
+    await task
+    assert tags(batch) == ["first", "late0", "late1", "late2"]
+
+
+async def test_no_window_when_idle(redis_client) -> None:
+    stream = "t:req:batcher4"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=8, max_wait_ms=10_000)
+    await enqueue(redis_client, stream, 1, "alone")
+    import time
+
+    started = time.monotonic()
+    assert tags(await batcher.read_batch()) == ["alone"]
+    assert time.monotonic() - started < 1.0  # did not sit out the 10 s window
+
+
+async def test_undecodable_entry_is_returned_with_its_error(redis_client) -> None:
+    stream = "t:req:batcher5"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=8, max_wait_ms=0)
+    await redis_client.xadd(stream, {ENTRY_FIELD: b"\xc1garbage"})
+    await redis_client.xadd(stream, {b"other": b"x"})
+    batch = await batcher.read_batch()
+    assert [e.message for e in batch] == [None, None]
+    assert all(e.decode_error for e in batch)

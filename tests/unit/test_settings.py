@@ -1,0 +1,59 @@
+"""Settings: one object from the environment, typos and out-of-range values named."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.settings import Settings, SettingsError, check_env_names
+
+
+def test_defaults_are_valid() -> None:
+    s = Settings()
+    assert s.port == 8000 and s.served_models == ["minilm"]
+    assert s.model_config_for("minilm").max_batch_size == 32
+
+
+def test_unknown_variable_is_named() -> None:
+    with pytest.raises(SettingsError, match="VRAMGUARD_MAX_BATCH"):
+        check_env_names({"VRAMGUARD_MAX_BATCH": "8", "PATH": "/bin"})
+
+
+def test_nested_model_variable_is_accepted() -> None:
+    check_env_names({"VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE": "8"})
+
+
+@pytest.mark.parametrize(
+    ("env", "named"),
+    [
+        ({"VRAMGUARD_PORT": "0"}, "VRAMGUARD_PORT"),
+        ({"VRAMGUARD_PORT": "eighty"}, "VRAMGUARD_PORT"),
+        ({"VRAMGUARD_DEVICE": "tpu"}, "VRAMGUARD_DEVICE"),
+        ({"VRAMGUARD_MODEL": "gpt5"}, "unknown model"),
+        ({"VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE": "0"}, "VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE: .*greater than or equal to 1"),
+        ({"VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS": "50", "VRAMGUARD_MODELS__MINILM__DEFAULT_TIMEOUT_MS": "40"},
+         "VRAMGUARD_MODELS__MINILM: .*must be below default_timeout_ms"),
+        ({"VRAMGUARD_HEARTBEAT_TTL_MS": "500"}, "heartbeat_ttl_ms"),
+    ],
+)
+def test_invalid_values_stop_with_the_name(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str) -> None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SettingsError, match=named):
+        Settings.from_env()
+
+
+def test_model_overrides_merge_with_catalogue_defaults() -> None:
+    s = Settings(models={"synthetic": {"params": {"item_ms": 3.0}}, "minilm": {"max_wait_ms": 2}})  # type: ignore[dict-item]
+    synthetic = s.model_config_for("synthetic")
+    assert synthetic.params == {"batch_ms": 2.0, "item_ms": 3.0}
+    assert s.model_config_for("minilm").max_wait_ms == 2
+    assert s.model_config_for("minilm").max_batch_size == 32
+
+
+def test_served_models_from_comma_separated_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VRAMGUARD_SERVED_MODELS", "minilm, synthetic")
+    assert Settings.from_env().served_models == ["minilm", "synthetic"]
+
+
+def test_api_key_is_masked() -> None:
+    assert Settings(api_key="s3cret").masked()["api_key"] == "***"  # type: ignore[arg-type]

@@ -1,0 +1,49 @@
+"""`python -m worker`: read Settings, build the model backend, run the Worker, exit with its code."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from shared.logs import configure_logging
+from shared.settings import Settings, SettingsError
+
+
+def main() -> int:
+    try:
+        settings = Settings.from_env()
+    except SettingsError as exc:
+        print(f"vramguard worker: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level, "worker")
+    from worker.runner import ExitCode, Worker  # after logging: torch and model imports log
+
+    try:
+        backend = build_backend(settings)
+    except Exception:
+        logging.getLogger("worker").exception("model failed to load")
+        return ExitCode.STARTUP_FAILED
+
+    async def _main() -> int:
+        worker = Worker(settings, backend)
+        worker.install_signal_handlers()
+        return await worker.run()
+
+    return asyncio.run(_main())
+
+
+def build_backend(settings: Settings):  # type: ignore[no-untyped-def]
+    """The backend for settings.model on settings.device, torch threads set; not loaded yet."""
+    import torch
+
+    from worker.backend import resolve_device
+    from worker.models import create_backend
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    return create_backend(settings.model, settings.model_config_for(settings.model), resolve_device(settings.device))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

