@@ -63,6 +63,9 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    # --- testing ---
+    fault_injection: bool = False  # lets `synthetic` honour {"fault": ...} inputs (tests and demos only)
+
     @field_validator("served_models", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:

@@ -42,7 +42,7 @@ def build_backend(settings: Settings):  # type: ignore[no-untyped-def]
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
-    return create_backend(settings.model, settings.model_config_for(settings.model), resolve_device(settings.device))
+    return create_backend(settings, resolve_device(settings.device))
 
 
 if __name__ == "__main__":
