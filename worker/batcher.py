@@ -52,7 +52,9 @@ class Batcher:
     """Reads batches for one consumer of the `workers` group on one request stream.
 
     Entries read beyond a full batch are carried over to the next one (they are already
-    pending for this consumer, so they must not be dropped).
+    pending for this consumer, so they must not be dropped). A worker restarted under the same
+    consumer name first replays its own pending entries (XREADGROUP from id 0), so the batch
+    it died in is answered without waiting for a reclaim.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class Batcher:
         self._clock = clock
         self._carry: deque[Entry] = deque()
         self._last_batch_items = 0
+        self._history_id: bytes | None = b"0"  # None once our own pending entries are replayed
 
     async def read_batch(self) -> list[Entry]:
         """Up to `max_batch_size` items (at least one entry even if it alone is larger), or [] after
@@ -108,10 +111,21 @@ class Batcher:
         return batch
 
     async def _read(self, count: int, block_ms: int) -> list[Entry]:
+        if self._history_id is not None:
+            history = await self._xreadgroup(self._history_id, count, block_ms=None)
+            if history:
+                self._history_id = history[-1].entry_id.encode()
+                return history
+            self._history_id = None
+        return await self._xreadgroup(b">", count, block_ms)
+
+    async def _xreadgroup(self, start_id: bytes, count: int, block_ms: int | None) -> list[Entry]:
         response = await self._redis.xreadgroup(
-            GROUP, self._consumer, {self._stream: ">"}, count=max(1, count), block=max(1, block_ms)
+            GROUP, self._consumer, {self._stream: start_id}, count=max(1, count),
+            block=None if block_ms is None else max(1, block_ms),
         )
-        return [decode_entry(eid, fields) for _s, entries in response or () for eid, fields in entries]
+        # A pending entry deleted meanwhile comes back as (id, None/{}): nothing left to serve.
+        return [decode_entry(eid, fields) for _s, entries in response or () for eid, fields in entries if fields]
 
     def _take_carry(self, batch: list[Entry], items: int) -> int:
         while self._carry and (not batch or items + self._carry[0].n_items <= self.max_batch_size):

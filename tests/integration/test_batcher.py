@@ -85,3 +85,15 @@ async def test_undecodable_entry_is_returned_with_its_error(redis_client) -> Non
     batch = await batcher.read_batch()
     assert [e.message for e in batch] == [None, None]
     assert all(e.decode_error for e in batch)
+
+
+async def test_a_restarted_consumer_replays_its_own_pending_entries_first(redis_client) -> None:
+    stream = "t:req:batcher6"
+    first_life = await make_batcher(redis_client, stream, max_batch_size=2, max_wait_ms=0)
+    for tag in ["a", "b", "c"]:
+        await enqueue(redis_client, stream, 1, tag)
+    assert tags(await first_life.read_batch()) == ["a", "b"]  # then the process dies without acking
+    second_life = Batcher(redis_client, stream, "c1", max_batch_size=2, max_wait_ms=0, block_ms=50)
+    assert tags(await second_life.read_batch()) == ["a", "b"]  # its own pending entries first
+    assert tags(await second_life.read_batch()) == ["c"]
+    assert await second_life.read_batch() == []
