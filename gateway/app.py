@@ -16,6 +16,8 @@ from fastapi.responses import JSONResponse
 
 from gateway.dispatch import Dispatcher
 from gateway.health import Health
+from gateway.metrics import GatewayMetrics
+from gateway.observe import router as observe_router
 from gateway.replies import ReplyListener
 from gateway.routes import router
 from shared.errors import QueueFullError, UnavailableError, VramguardError
@@ -44,6 +46,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.settings = settings
         app.state.health = health
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
+        app.state.metrics = GatewayMetrics(settings, redis, keys, health)
         await listener.start()
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
@@ -62,6 +65,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(observe_router)
     _install_error_handlers(app)
     return app
 

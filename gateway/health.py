@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 from shared.clock import now_ms
 from shared.errors import UnavailableError
 from shared.keys import Keys
+from shared.metrics import parse_number
 from shared.periodic import Periodic
 from shared.settings import Settings
 
@@ -76,8 +77,30 @@ class Health:
             self.view = HealthView(redis_ok=False, redis_error=str(exc) or type(exc).__name__, refreshed_ms=now)
 
     def live_workers(self, model: str) -> dict[str, dict[str, str]]:
-        """Workers of `model` whose heartbeat was fresh at the last refresh and who report ready."""
-        return {w: b for w, b in self.view.workers.get(model, {}).items() if b.get("state") == "ready"}
+        """Workers of `model` whose heartbeat was fresh at the last refresh, who report ready and
+        whose last successful probe or batch is recent (`worker_problem` is None)."""
+        now = now_ms()
+        return {w: b for w, b in self.view.workers.get(model, {}).items() if self.worker_problem(b, now) is None}
+
+    def worker_problem(self, beat: dict[str, str], now: int) -> str | None:
+        """Why a worker with a fresh heartbeat cannot serve, or None when it can (issue 5).
+
+        It must say state=ready and healthy=1, and its `last_ok_ms` (epoch ms of its last
+        successful probe, warmup or batch) must be younger than twice its own
+        `probe_interval_ms` plus heartbeat_ttl_ms: an idle worker probes every interval and a
+        busy one succeeds with each batch, so an older mark means a hung or failing device.
+        """
+        state = beat.get("state", "unknown")
+        if state != "ready":
+            return f"state={state}" + (f" ({beat['unhealthy_reason']})" if beat.get("unhealthy_reason") else "")
+        if beat.get("healthy") != "1":
+            return "no successful probe reported"
+        last_ok = parse_number(beat.get("last_ok_ms")) or 0.0
+        interval = parse_number(beat.get("probe_interval_ms")) or 0.0
+        age_ms = now - last_ok
+        if age_ms > 2 * interval + self._settings.heartbeat_ttl_ms:
+            return f"last successful probe or batch {age_ms / 1000:.1f} s ago"
+        return None
 
     def require_worker(self, model: str) -> None:
         """Raise UnavailableError unless Redis answered and `model` has a live, ready worker."""
@@ -97,8 +120,33 @@ class Health:
             reasons.append(f"redis: {self.view.redis_error}")
         models = {}
         for model in self._settings.served_models:
-            live = len(self.live_workers(model))
-            models[model] = {"live_workers": live}
-            if self.view.redis_ok and live == 0:
-                reasons.append(f"model {model}: no live worker")
+            live, beats, missing = self._model_state(model)
+            models[model] = {"live_workers": live, "heartbeats": beats, "reasons": missing}
+            if self.view.redis_ok:
+                reasons.extend(f"model {model}: {r}" for r in missing)
         return (not reasons, {"ready": not reasons, "reasons": reasons, "models": models})
+
+    def model_readiness(self, model: str) -> tuple[bool, dict[str, object]]:
+        """(ready, details) for one served model (`/v1/models/{model}/ready`): Redis answers and
+        a worker has a fresh heartbeat and a recent successful probe; else the reasons."""
+        reasons: list[str] = []
+        if self.shutting_down:
+            reasons.append("gateway is shutting down")
+        if not self.view.redis_ok:
+            reasons.append(f"redis: {self.view.redis_error}")
+        live, beats, missing = self._model_state(model)
+        reasons.extend(missing if self.view.redis_ok else [])
+        return not reasons, {"model": model, "ready": not reasons, "live_workers": live, "heartbeats": beats,
+                             "reasons": reasons}
+
+    def _model_state(self, model: str) -> tuple[int, int, list[str]]:
+        """(live workers, fresh heartbeats, what the model lacks: [] when it has a live worker)."""
+        beats = self.view.workers.get(model, {})
+        now = now_ms()
+        problems = {w: p for w, b in beats.items() if (p := self.worker_problem(b, now)) is not None}
+        live = len(beats) - len(problems)
+        if not beats:
+            return 0, 0, ["no live worker"]  # no fresh heartbeat at all
+        if live == 0:
+            return 0, len(beats), [f"no live worker: {w}: {p}" for w, p in sorted(problems.items())]
+        return live, len(beats), []

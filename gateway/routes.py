@@ -39,11 +39,13 @@ async def infer(
     """Run `inputs` through `model`; one output per input, in order."""
     dispatcher = _dispatcher(request)
     dispatcher.check_model(model)
-    body = await _read_body(request, _settings(request).max_body_bytes)
-    parsed = parse_infer_request(body)
-    validate_inputs(CATALOGUE[model], parsed.inputs)
-    timeout_ms = parsed.timeout_ms or _header_timeout(x_request_timeout_ms)
-    request_id, reply = await dispatcher.submit(model, list(parsed.inputs), dict(parsed.parameters), timeout_ms)
+    with request.app.state.metrics.track(model) as record:  # issue 5: counts, latency, one log line
+        body = await _read_body(request, _settings(request).max_body_bytes)
+        parsed = parse_infer_request(body)
+        validate_inputs(CATALOGUE[model], parsed.inputs)
+        timeout_ms = parsed.timeout_ms or _header_timeout(x_request_timeout_ms)
+        request_id, reply = await dispatcher.submit(model, list(parsed.inputs), dict(parsed.parameters), timeout_ms)
+        record.request_id, record.reply = request_id, reply
     return InferResponse(model=model, request_id=request_id, outputs=[jsonable(v) for v in reply.outputs or []])
 
 
@@ -67,8 +69,17 @@ async def live() -> dict[str, str]:
 
 @router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: Redis answers and every served model has a live worker; else 503 with reasons."""
+    """Readiness: Redis answers and every served model has a worker with a fresh heartbeat and a
+    recent successful probe; else 503 with the reasons."""
     ok, details = _health(request).readiness()
+    return JSONResponse(details, status_code=200 if ok else 503)
+
+
+@router.get("/v1/models/{model}/ready")
+async def model_ready(model: str, request: Request) -> JSONResponse:
+    """Per-model readiness: a worker of `model` with a fresh heartbeat and a recent successful probe."""
+    _dispatcher(request).check_model(model)
+    ok, details = _health(request).model_readiness(model)
     return JSONResponse(details, status_code=200 if ok else 503)
 
 

@@ -66,6 +66,14 @@ class Settings(BaseSettings):
     # --- testing ---
     fault_injection: bool = False  # lets `synthetic` honour {"fault": ...} inputs (tests and demos only)
 
+    # --- observability (issue 5) ---
+    # Worker watchdog: a probe forward on the backend's example inputs after this much idle time.
+    probe_interval_s: float = Field(30.0, gt=0, le=3600)
+    # Consecutive batches in which every item failed with model_error before the worker exits unhealthy.
+    max_consecutive_failed_batches: int = Field(5, ge=1)
+    # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
+    probe_fault: Literal["none", "raise", "cuda_error", "exit"] = "none"
+
     @field_validator("served_models", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
@@ -82,6 +90,8 @@ class Settings(BaseSettings):
             raise ValueError("served_models is empty")
         if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_ttl_ms must exceed heartbeat_interval_ms")
+        if self.probe_fault != "none" and not self.fault_injection:
+            raise ValueError("probe_fault needs fault_injection=true (tests and demos only)")
         for name in self.models:
             try:
                 self.model_config_for(name)

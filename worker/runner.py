@@ -30,7 +30,9 @@ from worker.backend import ModelBackend
 from worker.batcher import Batcher, Entry
 from worker.execute import ItemResult, run_batch
 from worker.heartbeat import Heartbeat, WorkerStats
+from worker.metrics import WorkerMetrics
 from worker.publish import DeadLetter, Outgoing, publish_replies
+from worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class ExitCode(IntEnum):
     OK = 0
     STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
+    UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row (issue 5)
 
 
 class Worker:
@@ -62,6 +65,8 @@ class Worker:
         self.force_exit = False
         self._max_batches = max_batches
         self._inflight: set[asyncio.Task[None]] = set()
+        self.metrics = WorkerMetrics(backend.device)
+        self.watchdog = Watchdog(settings, backend, self._unhealthy)
 
     def __repr__(self) -> str:
         s = self.stats
@@ -103,13 +108,17 @@ class Worker:
             self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
             {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
              "max_wait_ms": self.config.max_wait_ms},
+            extra_fields=self._observed_fields,
         )
+        self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
         heartbeat.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device, "settings": self.settings.masked()})
         try:
             await self._serve_forever(redis, blocking)
+            if self.watchdog.unhealthy_reason is not None:
+                return ExitCode.UNHEALTHY  # no drain: never reply from a device we no longer trust
             self.stats.state = "draining"
             return await self._drain()
         finally:
@@ -156,6 +165,8 @@ class Worker:
                 continue
             if not entries:
                 slots.release()
+                if not self._inflight and self.watchdog.probe_due:
+                    await self.watchdog.probe()
                 continue
             read += 1
             task = asyncio.create_task(self._serve_batch(redis, entries))
@@ -185,14 +196,20 @@ class Worker:
         outgoing, dead, live = self._triage(entries, batch_start_ms)
         items = [item for _entry, entry_items in live for item in entry_items]
         forwards = 0
+        duration_ms: float | None = None
+        delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in live if e.message is not None]
         if items:
             started = monotonic_ms()
             results, stats = await asyncio.to_thread(run_batch, self.backend, items, self.config.max_batch_size)
             forwards = stats.forwards
+            duration_ms = monotonic_ms() - started
             outgoing.extend(self._replies(live, results, len(items), batch_start_ms))
+            self.watchdog.record_batch(results)
             log.info("batch done", extra={"model": self.settings.model, "worker_id": self.worker_id,
                                           "batch_size": len(items), "requests": len(live),
-                                          "duration_ms": round(monotonic_ms() - started, 2)})
+                                          "queue_delay_ms": max(delays_ms, default=0.0),
+                                          "duration_ms": round(duration_ms, 2)})
+        self.metrics.observe_batch(len(items), delays_ms, duration_ms)
         errors = sum(1 for o in outgoing if not o.reply.ok)
         self.stats.record_batch(len(items), len(live), forwards, errors)
         try:
@@ -203,6 +220,17 @@ class Worker:
             )
         except RedisError as exc:
             log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})
+
+    def _unhealthy(self, reason: str) -> None:
+        """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""
+        self.stats.state = "unhealthy"
+        self.should_exit = True
+        log.error("worker unhealthy; exiting for a restart", extra={"worker_id": self.worker_id, "reason": reason})
+
+    def _observed_fields(self) -> dict[str, object]:
+        """Heartbeat fields of the watchdog and the worker metrics (issue 5)."""
+        return {**self.watchdog.heartbeat_fields(),
+                **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches)}
 
     def _triage(
         self, entries: list[Entry], batch_start_ms: int

@@ -1,0 +1,109 @@
+"""`ClusterCollector`: the workers' and queues' series, built at scrape time (issue 5).
+
+Worker series come from the heartbeat hashes cached in gateway/health.py's HealthView, so a
+worker whose heartbeat expired has no series at all (nothing frozen). Queue series come from
+the `QueueStats` read just before rendering (gateway/metrics.py). Names, labels and units:
+shared/metrics.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.metrics_core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from gateway.health import Health
+from gateway.queues import QueueStats
+from shared import metrics as m
+
+
+class ClusterCollector(Collector):
+    """Reads `health.view` and `queues` at each collect(); `queues` is set by the scrape."""
+
+    def __init__(self, health: Health, models: list[str]) -> None:
+        self._health = health
+        self._models = models
+        self.queues: dict[str, QueueStats] | None = None
+
+    def describe(self) -> list[Metric]:
+        return []  # series vary with the live workers; never collect at registration
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._queue_families()
+        beats = [(model, wid, beat) for model in self._models
+                 for wid, beat in self._health.view.workers.get(model, {}).items()]
+        yield from self._worker_families(beats)
+
+    def _queue_families(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily(m.REDIS_UP, "1 when Redis answered the scrape's queue reads.")
+        up.add_metric([], 1.0 if self.queues is not None else 0.0)
+        yield up
+        live = GaugeMetricFamily(m.LIVE_WORKERS, "Workers able to serve: fresh heartbeat, recent probe.", labels=[m.MODEL])
+        for model in self._models:
+            live.add_metric([model], float(len(self._health.live_workers(model))))
+        yield live
+        if self.queues is None:
+            return
+        families = (
+            (m.QUEUE_DEPTH, "Entries waiting for a worker (not yet delivered).", "waiting"),
+            (m.PENDING_ENTRIES, "Entries delivered to a worker and not yet acked.", "pending"),
+            (m.DEAD_LETTER_ENTRIES, "Entries in the dead-letter stream.", "dead_letters"),
+        )
+        for name, doc, attr in families:
+            family = GaugeMetricFamily(name, doc, labels=[m.MODEL])
+            for model, stats in self.queues.items():
+                family.add_metric([model], float(getattr(stats, attr)))
+            yield family
+
+    def _worker_families(self, beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
+        labels = list(m.WORKER_LABELS)
+        info = GaugeMetricFamily(m.WORKER_INFO, "1 per live worker; state and pid as labels.",
+                                 labels=[*labels, "state", "pid"])
+        healthy = GaugeMetricFamily(m.WORKER_HEALTHY, "1 while the worker's watchdog reports healthy.", labels=labels)
+        for model, wid, beat in beats:
+            key = [model, wid, m.device_label(beat)]
+            info.add_metric([*key, beat.get("state", "unknown"), beat.get("pid", "")], 1.0)
+            healthy.add_metric(key, 1.0 if beat.get("healthy") == "1" else 0.0)
+        yield info
+        yield healthy
+        plan_fields = sorted({f for _, _, beat in beats for f in beat if f.startswith("plan_")})
+        specs = [*m.WORKER_FIELDS, *filter(None, map(m.plan_field_metric, plan_fields))]
+        for spec in specs:
+            yield from _field_family(spec, beats)
+        yield from _histogram_families(beats)
+
+
+def _field_family(spec: m.FieldMetric, beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
+    """One family for `spec`, with a sample per worker that publishes the field; nothing when
+    no worker does (e.g. memory fields before the memory budget runs)."""
+    family: GaugeMetricFamily | CounterMetricFamily
+    if spec.kind == "counter":
+        family = CounterMetricFamily(spec.name, spec.help, labels=list(m.WORKER_LABELS))
+    else:
+        family = GaugeMetricFamily(spec.name, spec.help, labels=list(m.WORKER_LABELS))
+    for model, wid, beat in beats:
+        value = m.parse_number(beat.get(spec.field))
+        if value is not None:
+            family.add_metric([model, wid, m.device_label(beat)], value * spec.scale)
+    if family.samples:
+        yield family
+
+
+def _histogram_families(beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
+    decoded = [(model, wid, beat, m.decode_histograms(beat.get(m.HISTOGRAM_FIELD))) for model, wid, beat in beats]
+    for short, (name, doc) in m.HISTOGRAMS.items():
+        family = HistogramMetricFamily(name, doc, labels=list(m.WORKER_LABELS))
+        for model, wid, beat, snaps in decoded:
+            snap = snaps.get(short)
+            if snap is not None:
+                buckets = [(floatToGoString(le), count) for le, count in snap.buckets]
+                family.add_metric([model, wid, m.device_label(beat)], buckets, snap.sum)
+        if family.samples:
+            yield family

@@ -1,0 +1,45 @@
+"""Queue statistics read at scrape time (issue 5): entries waiting, pending entries and dead
+letters per model, for /metrics and the status page. Read-only; one pipeline per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, ResponseError
+
+from shared.keys import GROUP, Keys
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """One model's queue. Answered entries are deleted (XACK + XDEL, worker/publish.py), so the
+    request stream's XLEN is waiting + pending; `waiting` = XLEN - pending."""
+
+    waiting: int
+    pending: int
+    dead_letters: int
+
+
+async def read_queue_stats(redis: aioredis.Redis, keys: Keys, models: list[str]) -> dict[str, QueueStats] | None:
+    """XLEN, the XPENDING summary and the dead-letter XLEN of each model, or None when Redis
+    does not answer (the caller reports redis_up 0 instead of stale numbers)."""
+    try:
+        async with redis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.xlen(keys.request_stream(model))
+                pipe.xpending(keys.request_stream(model), GROUP)
+                pipe.xlen(keys.dead_letter_stream(model))
+            results = await pipe.execute(raise_on_error=False)
+    except RedisError:
+        return None
+    out = {}
+    for i, model in enumerate(models):
+        length, summary, dead = results[3 * i : 3 * i + 3]
+        if isinstance(length, RedisError) and not isinstance(length, ResponseError):
+            return None
+        pending = summary.get("pending", 0) if isinstance(summary, dict) else 0  # NOGROUP before any worker
+        length = length if isinstance(length, int) else 0
+        out[model] = QueueStats(waiting=max(0, length - pending), pending=pending,
+                                dead_letters=dead if isinstance(dead, int) else 0)
+    return out

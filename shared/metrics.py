@@ -1,0 +1,188 @@
+"""Metric names, labels, buckets and units (issue 5), and the one place where the heartbeat's
+units (ms, percent) become Prometheus base units (seconds, ratios; bytes stay bytes).
+
+Workers report through their heartbeat hash (worker/heartbeat.py); the gateway turns each live
+worker's hash into series at scrape time (gateway/cluster_metrics.py), so a dead worker's series
+disappear with its hash. Worker-side histograms travel as one JSON field, `histograms`, holding
+a `HistogramSnapshot` per histogram. No torch or FastAPI imports here.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+PREFIX = "vramguard_"
+
+# Labels. Worker series carry all three; gateway series carry `model` (and `outcome`).
+MODEL, WORKER, DEVICE, OUTCOME = "model", "worker", "device", "outcome"
+WORKER_LABELS = (MODEL, WORKER, DEVICE)
+
+# --- gateway-side series ---
+REQUESTS = PREFIX + "requests"  # counter; rendered as vramguard_requests_total
+REQUEST_DURATION = PREFIX + "request_duration_seconds"
+REQUESTS_IN_FLIGHT = PREFIX + "requests_in_flight"
+QUEUE_DEPTH = PREFIX + "queue_depth"  # entries waiting for a worker (not yet delivered)
+PENDING_ENTRIES = PREFIX + "pending_entries"  # delivered to a worker, not acked
+DEAD_LETTER_ENTRIES = PREFIX + "dead_letter_entries"
+LIVE_WORKERS = PREFIX + "live_workers"
+REDIS_UP = PREFIX + "redis_up"
+WORKER_INFO = PREFIX + "worker_info"
+WORKER_HEALTHY = PREFIX + "worker_healthy"
+
+# --- worker-side histograms (kept in the worker, carried in its heartbeat) ---
+BATCH_SIZE = PREFIX + "batch_size"  # items per batch
+QUEUE_DELAY = PREFIX + "queue_delay_seconds"  # enqueue to batch start, per request
+FORWARD_DURATION = PREFIX + "forward_duration_seconds"  # run_batch of one batch
+
+REQUEST_DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+QUEUE_DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FORWARD_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+HISTOGRAM_FIELD = "histograms"  # heartbeat field: JSON {short name: HistogramSnapshot.to_dict()}
+HISTOGRAMS = {  # short name in the heartbeat -> (metric name, help)
+    "batch_size": (BATCH_SIZE, "Items per batch formed by the worker."),
+    "queue_delay_seconds": (QUEUE_DELAY, "Time from enqueue to batch start, per request."),
+    "forward_duration_seconds": (FORWARD_DURATION, "Duration of one batch's forward passes (run_batch)."),
+}
+
+
+def ms_to_s(value_ms: float) -> float:
+    """Milliseconds (the code's unit) to seconds (Prometheus' unit)."""
+    return value_ms / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class FieldMetric:
+    """One numeric heartbeat field exported as one series per worker.
+
+    `scale` turns the field's unit into the metric's base unit (ms -> s is 1e-3).
+    Counter names omit `_total`; prometheus_client appends it.
+    """
+
+    field: str
+    name: str
+    kind: Literal["gauge", "counter"]
+    help: str
+    scale: float = 1.0
+
+
+WORKER_FIELDS: tuple[FieldMetric, ...] = (
+    FieldMetric("batches", PREFIX + "worker_batches", "counter", "Batches served."),
+    FieldMetric("forwards", PREFIX + "worker_forwards", "counter", "Forward passes run (a batch may split)."),
+    FieldMetric("requests", PREFIX + "worker_requests", "counter", "Requests served."),
+    FieldMetric("items", PREFIX + "worker_items", "counter", "Items (inputs) served."),
+    FieldMetric("errors", PREFIX + "worker_errors", "counter", "Requests answered with an error."),
+    FieldMetric("expired", PREFIX + "worker_expired", "counter", "Requests whose deadline passed while queued."),
+    FieldMetric("last_batch_size", PREFIX + "worker_last_batch_size", "gauge", "Items in the last batch."),
+    FieldMetric("items_per_s", PREFIX + "worker_items_per_second", "gauge", "Items served per second, last minute."),
+    FieldMetric("mean_batch_size_1m", PREFIX + "worker_mean_batch_size", "gauge", "Mean items per batch, last minute."),
+    FieldMetric("started_ms", PREFIX + "worker_start_time_seconds", "gauge",
+                "Process start, epoch seconds (changes on every restart).", 1e-3),
+    FieldMetric("last_ok_ms", PREFIX + "worker_last_ok_time_seconds", "gauge",
+                "Last successful probe or batch, epoch seconds.", 1e-3),
+    FieldMetric("probes", PREFIX + "worker_probes", "counter", "Idle probe forwards run by the watchdog."),
+    FieldMetric("probe_failures", PREFIX + "worker_probe_failures", "counter", "Idle probes that failed."),
+    FieldMetric("gpu_utilization_percent", PREFIX + "worker_gpu_utilization_ratio", "gauge",
+                "GPU busy fraction from NVML (CUDA workers only).", 0.01),
+    # Memory fields, published by the memory budget (issue 3) where present.
+    FieldMetric("mem_total_bytes", PREFIX + "worker_memory_total_bytes", "gauge", "Device memory in total."),
+    FieldMetric("mem_allocated_bytes", PREFIX + "worker_memory_allocated_bytes", "gauge", "Memory allocated now."),
+    FieldMetric("mem_reserved_bytes", PREFIX + "worker_memory_reserved_bytes", "gauge", "Memory reserved by the allocator."),
+    FieldMetric("mem_peak_bytes", PREFIX + "worker_memory_peak_bytes", "gauge", "Peak allocated memory."),
+    FieldMetric("mem_budget_bytes", PREFIX + "worker_memory_budget_bytes", "gauge", "This worker's memory budget."),
+    FieldMetric("oom_events", PREFIX + "worker_oom_events", "counter", "Out-of-memory errors caught."),
+    FieldMetric("batch_splits", PREFIX + "worker_batch_splits", "counter", "Batches split to fit the budget."),
+    FieldMetric("adaptive_cap", PREFIX + "worker_adaptive_batch_cap", "gauge", "Current adaptive batch-size cap."),
+)
+
+_PLAN_FIELD = re.compile(r"^plan_[a-z0-9_]{1,60}$")
+
+
+def plan_field_metric(field: str) -> FieldMetric | None:
+    """The series for a memory-plan field (`plan_*`, issue 3), or None for a malformed name.
+
+    `plan_x_ms` becomes `vramguard_worker_plan_x_seconds`; other names keep their unit suffix.
+    """
+    if not _PLAN_FIELD.match(field):
+        return None
+    if field.endswith("_ms"):
+        return FieldMetric(field, f"{PREFIX}worker_{field[:-3]}_seconds", "gauge", "Memory plan value.", 1e-3)
+    return FieldMetric(field, f"{PREFIX}worker_{field}", "gauge", "Memory plan value.")
+
+
+def parse_number(value: str | None) -> float | None:
+    """A heartbeat field as a finite float, or None when absent or not a number."""
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def device_label(beat: dict[str, str]) -> str:
+    """The `device` label of a worker: its `device_kind` (cuda|cpu|sim) when published,
+    else the kind part of its torch device ("cuda:0" -> "cuda")."""
+    return beat.get("device_kind") or beat.get("device", "unknown").split(":", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class HistogramSnapshot:
+    """A histogram as it travels in a heartbeat: cumulative counts per upper bound (the last
+    bound is +Inf, whose count is the total) and the sum of observed values, in base units."""
+
+    buckets: tuple[tuple[float, float], ...]
+    sum: float
+
+    @property
+    def count(self) -> float:
+        return self.buckets[-1][1] if self.buckets else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {"buckets": [[_bound(le), n] for le, n in self.buckets], "sum": self.sum}
+
+    @classmethod
+    def from_dict(cls, data: object) -> HistogramSnapshot:
+        """Raises ValueError for anything but a well-formed snapshot ending in +Inf."""
+        if not isinstance(data, dict) or not isinstance(data.get("buckets"), list):
+            raise ValueError("histogram snapshot needs a bucket list")
+        buckets = tuple((float(le), float(n)) for le, n in data["buckets"])
+        if not buckets or buckets[-1][0] != math.inf:
+            raise ValueError("histogram snapshot must end with the +Inf bucket")
+        if any(b[1] < a[1] for a, b in zip(buckets, buckets[1:], strict=False)):
+            raise ValueError("histogram snapshot counts must be cumulative")
+        return cls(buckets=buckets, sum=float(data.get("sum", 0.0)))
+
+
+def _bound(le: float) -> float | str:
+    return "+Inf" if le == math.inf else le
+
+
+def encode_histograms(snapshots: dict[str, HistogramSnapshot]) -> str:
+    """The `histograms` heartbeat field: compact JSON keyed by the short names of HISTOGRAMS."""
+    return json.dumps({name: snap.to_dict() for name, snap in snapshots.items()}, separators=(",", ":"))
+
+
+def decode_histograms(field: str | None) -> dict[str, HistogramSnapshot]:
+    """Parse the `histograms` field, keeping only known, well-formed snapshots (a worker of
+    another version must not break the scrape)."""
+    if not field:
+        return {}
+    try:
+        raw = json.loads(field)
+    except ValueError:
+        return {}
+    out = {}
+    for name, data in raw.items() if isinstance(raw, dict) else ():
+        if name in HISTOGRAMS:
+            try:
+                out[name] = HistogramSnapshot.from_dict(data)
+            except (ValueError, TypeError):
+                continue
+    return out
