@@ -1,0 +1,105 @@
+"""shared/metrics.py and worker/metrics.py without Redis: the heartbeat's histogram format,
+unit conversion, memory-plan field names, and throughput over the last minute."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from shared import metrics as m
+from worker.metrics import GpuUtilisation, WorkerMetrics
+
+
+def test_histograms_survive_the_heartbeat_round_trip() -> None:
+    wm = WorkerMetrics("cpu")
+    wm.observe_batch(3, [1.0, 20.0, 2500.0], 12.0)  # ms in, seconds out
+    wm.observe_batch(1, [4.0], 2.0)
+    decoded = m.decode_histograms(m.encode_histograms(wm.snapshots()))
+    assert set(decoded) == set(m.HISTOGRAMS)
+    size = decoded["batch_size"]
+    assert size.count == 2 and size.sum == 4
+    assert dict(size.buckets)[1.0] == 1 and dict(size.buckets)[4.0] == 2 and size.buckets[-1][0] == math.inf
+    delay = decoded["queue_delay_seconds"]
+    assert delay.count == 4 and delay.sum == pytest.approx(2.525)
+    assert decoded["forward_duration_seconds"].sum == pytest.approx(0.014)
+
+
+def test_no_forward_means_no_forward_duration_sample() -> None:
+    wm = WorkerMetrics("cpu")
+    wm.observe_batch(0, [], None)  # every entry had expired
+    snaps = wm.snapshots()
+    assert snaps["forward_duration_seconds"].count == 0 and snaps["batch_size"].count == 0
+
+
+@pytest.mark.parametrize("field", [
+    "", "not json", "[1, 2]", '{"batch_size": {"buckets": [[1, 2]], "sum": 1}}',  # no +Inf bucket
+    '{"batch_size": {"buckets": [[1, 5], ["+Inf", 2]], "sum": 1}}',  # not cumulative
+    '{"batch_size": {"buckets": "x"}}', '{"batch_size": {"buckets": [["a", 1]]}}',
+])
+def test_malformed_histogram_fields_are_skipped(field: str) -> None:
+    assert m.decode_histograms(field) == {}
+
+
+def test_unknown_histograms_are_ignored() -> None:
+    field = '{"other": {"buckets": [["+Inf", 1]], "sum": 1}, "batch_size": {"buckets": [["+Inf", 2]], "sum": 3}}'
+    assert list(m.decode_histograms(field)) == ["batch_size"]
+
+
+def test_plan_fields_get_base_units_and_safe_names() -> None:
+    spec = m.plan_field_metric("plan_warmup_ms")
+    assert spec is not None and spec.name == "vramguard_worker_plan_warmup_seconds" and spec.scale == 1e-3
+    spec = m.plan_field_metric("plan_per_item_bytes")
+    assert spec is not None and spec.name == "vramguard_worker_plan_per_item_bytes" and spec.scale == 1
+    assert m.plan_field_metric("plan_bad-name") is None and m.plan_field_metric("plan_") is None
+
+
+def test_every_exported_name_has_the_prefix_and_a_base_unit() -> None:
+    for spec in m.WORKER_FIELDS:
+        assert spec.name.startswith("vramguard_")
+        assert not spec.name.endswith(("_ms", "_percent", "_total")), spec.name
+        if spec.field.endswith("_ms"):
+            assert spec.name.endswith("_seconds") and spec.scale == 1e-3
+
+
+@pytest.mark.parametrize(("raw", "parsed"), [(None, None), ("", None), ("x", None), ("nan", None), ("inf", None),
+                                             ("3", 3.0), ("2.5", 2.5)])
+def test_parse_number(raw: str | None, parsed: float | None) -> None:
+    assert m.parse_number(raw) == parsed
+
+
+def test_device_label_prefers_the_published_kind() -> None:
+    assert m.device_label({"device": "cuda:1"}) == "cuda"
+    assert m.device_label({"device": "cpu", "device_kind": "sim"}) == "sim"
+
+
+def test_throughput_covers_the_last_minute() -> None:
+    now = [0.0]
+    wm = WorkerMetrics("cpu", clock=lambda: now[0])
+    assert wm.throughput(0, 0) == (0.0, 0.0)
+    now[0] = 10.0
+    assert wm.throughput(100, 10) == (10.0, 10.0)
+    for t in range(20, 121, 10):  # 10 items/s for 2 minutes, then idle for 70 s
+        now[0] = float(t)
+        wm.throughput(t * 10, t)
+    now[0] = 190.0
+    per_s, mean = wm.throughput(1200, 120)
+    assert per_s == pytest.approx(0.0) and mean == 0.0
+    now[0] = 200.0
+    per_s, mean = wm.throughput(1800, 130)  # 600 items in 10 batches since the oldest kept sample (120 s)
+    assert per_s == pytest.approx(600 / 80) and mean == pytest.approx(60.0)
+
+
+def test_gpu_utilisation_is_absent_off_cuda() -> None:
+    assert GpuUtilisation("cpu").percent() is None
+    assert "gpu_utilization_percent" not in WorkerMetrics("cpu").heartbeat_fields(0, 0)
+
+
+def test_gpu_utilisation_without_nvml_is_dropped_not_fatal() -> None:
+    """On a machine without a GPU, a CUDA worker's NVML read fails: logged once, then not reported."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present; tests/gpu covers the real reading")
+    gpu = GpuUtilisation("cuda")
+    assert gpu.percent() is None and gpu.percent() is None
