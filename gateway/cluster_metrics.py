@@ -45,7 +45,8 @@ class ClusterCollector(Collector):
         up = GaugeMetricFamily(m.REDIS_UP, "1 when Redis answered the scrape's queue reads.")
         up.add_metric([], 1.0 if self.queues is not None else 0.0)
         yield up
-        live = GaugeMetricFamily(m.LIVE_WORKERS, "Workers able to serve: fresh heartbeat, recent probe.", labels=[m.MODEL])
+        live = GaugeMetricFamily(m.LIVE_WORKERS, "Workers able to serve: fresh heartbeat, recent probe.",
+                                 labels=[m.MODEL])
         for model in self._models:
             live.add_metric([model], float(len(self._health.live_workers(model))))
         yield live
@@ -103,7 +104,7 @@ def _histogram_families(beats: list[tuple[str, str, dict[str, str]]]) -> Iterato
         for model, wid, beat, snaps in decoded:
             snap = snaps.get(short)
             if snap is not None:
-                buckets = [(floatToGoString(le), count) for le, count in snap.buckets]
+                buckets = [(floatToGoString(le), count) for le, count in snap.buckets]  # type: ignore[no-untyped-call]
                 family.add_metric([model, wid, m.device_label(beat)], buckets, snap.sum)
         if family.samples:
             yield family

@@ -53,9 +53,11 @@ async def status_json(request: Request) -> dict[str, object]:
 
 def _model_status(health: Health, model: str, queues: dict[str, QueueStats] | None) -> dict[str, object]:
     now = now_ms()
-    workers = []
+    workers: list[dict[str, object]] = []
+    per_s = 0.0
     for wid, beat in sorted(health.view.workers.get(model, {}).items()):
         numbers = {k: v for k in STATUS_NUMBERS if (v := m.parse_number(beat.get(k))) is not None}
+        per_s += numbers.get("items_per_s", 0.0)
         workers.append({"worker_id": wid, "state": beat.get("state", "unknown"), "device": m.device_label(beat),
                         "problem": health.worker_problem(beat, now), **numbers})
     stats = queues.get(model) if queues is not None else None
@@ -65,7 +67,7 @@ def _model_status(health: Health, model: str, queues: dict[str, QueueStats] | No
         "queue_depth": stats.waiting if stats else None,
         "pending_entries": stats.pending if stats else None,
         "dead_letters": stats.dead_letters if stats else None,
-        "items_per_s": round(sum(float(w.get("items_per_s", 0.0)) for w in workers), 3),  # type: ignore[arg-type]
+        "items_per_s": round(per_s, 3),
         "workers": workers,
     }
 

@@ -92,7 +92,7 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
     # Memory fields, published by the memory budget (issue 3) where present.
     FieldMetric("mem_total_bytes", PREFIX + "worker_memory_total_bytes", "gauge", "Device memory in total."),
     FieldMetric("mem_allocated_bytes", PREFIX + "worker_memory_allocated_bytes", "gauge", "Memory allocated now."),
-    FieldMetric("mem_reserved_bytes", PREFIX + "worker_memory_reserved_bytes", "gauge", "Memory reserved by the allocator."),
+    FieldMetric("mem_reserved_bytes", PREFIX + "worker_memory_reserved_bytes", "gauge", "Memory the allocator holds."),
     FieldMetric("mem_peak_bytes", PREFIX + "worker_memory_peak_bytes", "gauge", "Peak allocated memory."),
     FieldMetric("mem_budget_bytes", PREFIX + "worker_memory_budget_bytes", "gauge", "This worker's memory budget."),
     FieldMetric("oom_events", PREFIX + "worker_oom_events", "counter", "Out-of-memory errors caught."),

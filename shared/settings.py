@@ -68,9 +68,9 @@ class Settings(BaseSettings):
 
     # --- observability (issue 5) ---
     # Worker watchdog: a probe forward on the backend's example inputs after this much idle time.
-    probe_interval_s: float = Field(30.0, gt=0, le=3600)
+    probe_interval_s: float = Field(default=30.0, gt=0, le=3600)
     # Consecutive batches in which every item failed with model_error before the worker exits unhealthy.
-    max_consecutive_failed_batches: int = Field(5, ge=1)
+    max_consecutive_failed_batches: int = Field(default=5, ge=1)
     # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
     probe_fault: Literal["none", "raise", "cuda_error", "exit"] = "none"
 

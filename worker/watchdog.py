@@ -91,7 +91,7 @@ class Watchdog:
         return True
 
     def _forward(self) -> None:
-        inputs = self._backend.example_inputs() if self._fault == "none" else [{"fault": self._fault}]
+        inputs: list[object] = self._backend.example_inputs() if self._fault == "none" else [{"fault": self._fault}]
         items = self._backend.decode(inputs)
         outputs = self._backend.forward(self._backend.collate(items))
         if len(self._backend.split(outputs, len(items))) != len(items):
