@@ -8,6 +8,7 @@ registry (not the process-global one), so several apps can live in one test proc
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterator
@@ -61,7 +62,7 @@ class GatewayMetrics:
     @contextmanager
     def track(self, model: str) -> Iterator[RequestRecord]:
         """Count, time and log one request to a served `model`. The outcome is "ok", or the
-        code of the VramguardError that escapes (re-raised), or "internal" for anything else."""
+        code of the VramguardError that escapes (re-raised), "cancelled", or "internal" for anything else."""
         record = RequestRecord(model)
         outcome = "internal"
         started = time.perf_counter()
@@ -72,6 +73,9 @@ class GatewayMetrics:
         except VramguardError as exc:
             outcome = exc.code
             record.request_id = record.request_id or exc.request_id
+            raise
+        except asyncio.CancelledError:
+            outcome = "cancelled"  # the client went away
             raise
         finally:
             elapsed_s = time.perf_counter() - started
