@@ -12,6 +12,7 @@ from gateway.dispatch import Dispatcher
 from gateway.health import Health
 from gateway.schemas import InferResponse, ModelInfo, ModelList, jsonable, parse_infer_request, validate_inputs
 from shared.errors import InvalidInputError, PayloadTooLargeError
+from shared.metrics import HISTOGRAM_FIELD
 from shared.models import CATALOGUE
 from shared.settings import Settings
 
@@ -85,7 +86,8 @@ async def model_ready(model: str, request: Request) -> JSONResponse:
 
 def _model_info(request: Request, name: str) -> ModelInfo:
     spec = CATALOGUE[name]
-    workers = _health(request).live_workers(name)
+    workers = {w: {k: v for k, v in beat.items() if k != HISTOGRAM_FIELD}  # histograms: /metrics only
+               for w, beat in _health(request).live_workers(name).items()}
     return ModelInfo(
         name=name,
         description=spec.description,

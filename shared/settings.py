@@ -72,7 +72,7 @@ class Settings(BaseSettings):
     # Consecutive batches in which every item failed with model_error before the worker exits unhealthy.
     max_consecutive_failed_batches: int = Field(default=5, ge=1)
     # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
-    probe_fault: Literal["none", "raise", "cuda_error", "exit"] = "none"
+    probe_fault: Literal["none", "raise", "cuda_error"] = "none"
 
     @field_validator("served_models", mode="before")
     @classmethod

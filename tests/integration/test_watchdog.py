@@ -100,10 +100,3 @@ async def test_consecutive_failed_batches_make_the_worker_exit(settings_factory,
         assert await handle.task == ExitCode.UNHEALTHY
         assert "2 consecutive batches failed" in (handle.worker.watchdog.unhealthy_reason or "")
 
-
-def test_probe_fault_needs_fault_injection(settings_factory) -> None:
-    """The probe fault is a test and demo switch: it refuses to work without fault_injection."""
-    import pytest
-
-    with pytest.raises(ValueError, match="probe_fault needs fault_injection"):
-        settings_factory(probe_fault="cuda_error")
