@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import httpx
+import pytest
 
 from gateway.app import create_app
 from shared.settings import Settings
@@ -66,16 +67,17 @@ async def test_idle_probes_keep_a_healthy_worker_ready(settings_factory, start_w
         assert not handle.task.done()
 
 
-async def test_a_cuda_error_in_the_probe_makes_the_worker_exit_unhealthy(settings_factory, start_worker) -> None:
-    """1. The idle probe hits a CUDA error (fault injection).
+@pytest.mark.parametrize(("fault", "reason"), [("cuda_error", "CUDA error"), ("raise", "injected fault")])
+async def test_a_failing_probe_makes_the_worker_exit_unhealthy(settings_factory, start_worker, fault, reason) -> None:
+    """1. The idle probe hits a CUDA error, or any other error, on known-good inputs (fault injection).
     Result: the worker reports unhealthy, exits ExitCode.UNHEALTHY and readiness says 503."""
     async with synthetic_gateway(settings_factory) as gw:
-        handle = await start_worker(model="synthetic", fault_injection=True, probe_fault="cuda_error",
+        handle = await start_worker(model="synthetic", fault_injection=True, probe_fault=fault,
                                     probe_interval_s=2.0)
         await wait_until(lambda: status_is(gw, "/health/ready", 200), 10)
         assert await handle.task == ExitCode.UNHEALTHY
         watchdog = handle.worker.watchdog
-        assert watchdog.probe_failures == 1 and "CUDA error" in (watchdog.unhealthy_reason or "")
+        assert watchdog.probe_failures == 1 and reason in (watchdog.unhealthy_reason or "")
         assert handle.worker.stats.state == "unhealthy"
         assert watchdog.heartbeat_fields()["healthy"] == 0
         await wait_until(lambda: status_is(gw, "/health/ready", 503), 10)

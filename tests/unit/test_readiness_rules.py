@@ -1,0 +1,58 @@
+"""The readiness rule of gateway/health.py applied to heartbeat fields (no Redis involved: the
+rule reads the cached view only): fresh heartbeat, state=ready, healthy=1, recent success."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.health import Health, HealthView
+from shared.clock import now_ms
+from shared.keys import Keys
+from shared.settings import Settings
+
+NOW = 1_800_000_000_000
+
+
+def health() -> Health:
+    return Health(Settings(served_models=["synthetic"], heartbeat_ttl_ms=5000), None, Keys())  # type: ignore[arg-type]
+
+
+def beat(**fields: object) -> dict[str, str]:
+    base = {"state": "ready", "healthy": "1", "last_ok_ms": str(NOW - 1000), "probe_interval_ms": "30000"}
+    return {**base, **{k: str(v) for k, v in fields.items()}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({}, None),
+        ({"last_ok_ms": NOW - 64_000}, None),  # within 2 x 30 s + 5 s
+        ({"last_ok_ms": NOW - 66_000}, "last successful probe or batch 66.0 s ago"),
+        ({"state": "warming"}, "state=warming"),
+        ({"state": "unhealthy", "unhealthy_reason": "probe failed: CUDA error"},
+         "state=unhealthy (probe failed: CUDA error)"),
+        ({"healthy": "0"}, "no successful probe reported"),
+        ({"last_ok_ms": "garbage"}, "last successful probe or batch"),
+    ],
+)
+def test_worker_problem(fields: dict[str, object], problem: str | None) -> None:
+    found = health().worker_problem(beat(**fields), NOW)
+    assert found == problem if problem is None else problem in (found or "")
+
+
+def test_a_worker_without_probe_fields_is_not_counted() -> None:
+    """A worker that publishes no watchdog fields cannot prove it computes: not ready."""
+    assert health().worker_problem({"state": "ready"}, NOW) == "no successful probe reported"
+
+
+def test_model_readiness_names_each_workers_problem() -> None:
+    h = health()
+    fresh = {"state": "ready", "healthy": "1", "last_ok_ms": str(now_ms()), "probe_interval_ms": "30000"}
+    h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {
+        "a": {**fresh, "state": "unhealthy", "unhealthy_reason": "3 consecutive batches failed"}}})
+    ok, details = h.model_readiness("synthetic")
+    assert not ok and details["reasons"] == ["no live worker: a: state=unhealthy (3 consecutive batches failed)"]
+    h.view.workers["synthetic"]["b"] = fresh
+    ok, details = h.model_readiness("synthetic")
+    assert ok and details["live_workers"] == 1 and details["heartbeats"] == 2
+    assert h.readiness()[0] is True
