@@ -4,13 +4,14 @@ fields of the issue-3 contract, which disappear with the heartbeat that carried 
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.keys import Keys
+from shared.keys import GROUP, Keys
 from tests.helpers import wait_until
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -174,3 +175,34 @@ async def test_a_malformed_heartbeat_does_not_break_the_scrape(gateway, redis_cl
     assert not matching(samples, "vramguard_worker_memory_allocated_bytes")
     assert not matching(samples, "vramguard_worker_memory_total_bytes")
     assert not matching(samples, "vramguard_batch_size_count", worker="odd-0")
+
+
+async def test_queue_pending_and_in_flight_series_count_real_entries(
+    gateway, start_worker, redis_client: aioredis.Redis, key_prefix
+) -> None:
+    """1. A slow request is being served: in flight 1 at the gateway.
+    2. With no worker reading, 3 entries wait; a consumer takes 2 and does not ack them.
+    Result: queue depth 1 and pending entries 2, as Redis' consumer group says."""
+    handle = await start_worker(model="synthetic", models={"synthetic": {"params": {"batch_ms": 600}}})
+
+    async def live() -> bool:
+        return (await gateway.get("/v1/models/synthetic")).json()["live_workers"] == 1
+
+    await wait_until(live, 10)
+    slow = asyncio.create_task(gateway.post("/v1/models/synthetic/infer", json={"inputs": [1]}))
+
+    async def one_in_flight() -> bool:
+        return value((await scrape(gateway))[0], "vramguard_requests_in_flight", model="synthetic") == 1
+
+    await wait_until(one_in_flight, 5, interval_s=0.02)
+    assert (await slow).status_code == 200
+    await handle.stop()
+
+    stream = Keys(key_prefix).request_stream("synthetic")
+    for i in range(3):
+        await redis_client.xadd(stream, {b"m": str(i).encode()})
+    await redis_client.xreadgroup(GROUP, "ghost", {stream: ">"}, count=2)
+    samples, _ = await scrape(gateway)
+    assert value(samples, "vramguard_queue_depth", model="synthetic") == 1
+    assert value(samples, "vramguard_pending_entries", model="synthetic") == 2
+    assert value(samples, "vramguard_requests_in_flight", model="synthetic") == 0
