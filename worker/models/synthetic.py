@@ -93,12 +93,14 @@ class SyntheticBackend:
         assert isinstance(batch, list)
         cost = len(batch) * max((self.item_cost(item) for item in batch), default=0)
         self._check_fault_file()
+        faults = [str(i["fault"]) for i in batch if isinstance(i, dict) and "fault" in i] if self.fault_injection else []
         with self._simulated_memory(batch, cost):
             time.sleep((self.batch_ms + self.item_ms * cost) / 1000)
-            if self.fault_injection:
-                for item in batch:
-                    if isinstance(item, dict) and "fault" in item:
-                        self._fault(str(item["fault"]))
+            for kind in faults:
+                if kind != "leak":
+                    inject_fault(kind)
+        if "leak" in faults and self._sim is not None:
+            self._sim.allocate(max(0, self._sim.limit_bytes - self._sim.memory_allocated()))
         return batch
 
     def _simulated_memory(self, batch: list[object], cost: int) -> AbstractContextManager[None]:
@@ -111,12 +113,6 @@ class SyntheticBackend:
         if self.fault_file is not None and self.fault_file.exists():
             self.fault_file.unlink(missing_ok=True)
             inject_fault("cuda_error")
-
-    def _fault(self, kind: str) -> None:
-        if kind == "leak" and self._sim is not None:
-            self._sim.allocate(max(0, self._sim.limit_bytes - self._sim.memory_allocated()))
-            return
-        inject_fault(kind)
 
     def split(self, outputs: object, n_items: int) -> list[object]:
         assert isinstance(outputs, list)
