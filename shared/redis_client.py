@@ -18,6 +18,7 @@ from shared.settings import Settings
 # Short commands: give up fast so that a request never hangs on a dead Redis (issue 4).
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+POOL_MAX_CONNECTIONS = 100
 
 
 def _retry() -> Retry:
@@ -26,15 +27,23 @@ def _retry() -> Retry:
 
 
 def connect(settings: Settings) -> aioredis.Redis:
-    """A pooled client for non-blocking commands; binary replies (decode_responses=False)."""
-    return aioredis.Redis.from_url(
+    """A pooled client for non-blocking commands; binary replies (decode_responses=False).
+
+    The pool blocks (up to COMMAND_TIMEOUT_S) for a free connection when all POOL_MAX_CONNECTIONS
+    are in use: redis-py's default pool raises "Too many connections" past 100, which turned
+    200 concurrent HTTP requests into 503s (found by issue 3's 200-request test).
+    """
+    pool = aioredis.BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=POOL_MAX_CONNECTIONS,
+        timeout=COMMAND_TIMEOUT_S,
         socket_timeout=COMMAND_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=10,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def connect_blocking(settings: Settings) -> aioredis.Redis:
