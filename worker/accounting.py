@@ -51,7 +51,7 @@ class CudaAccounting:
         import torch
 
         self._cuda = torch.cuda
-        self._cuda.init()
+        self._cuda.init()  # type: ignore[no-untyped-call]
 
     def total_bytes(self) -> int:
         return int(self._cuda.get_device_properties(self._cuda.current_device()).total_memory)

@@ -167,7 +167,8 @@ class _Compute:
         if len(items) == 1:
             self.stats.items_failed += 1
             return [_failure(exc)]
-        log.warning("batch forward failed; retrying items one by one", extra={"batch_size": len(items), "error": str(exc)})
+        log.warning("batch forward failed; retrying items one by one",
+                    extra={"batch_size": len(items), "error": str(exc)})
         return [r for item, cost in zip(items, costs, strict=True) for r in self.run([item], [cost])]
 
 

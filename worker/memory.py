@@ -286,7 +286,8 @@ class MemoryBudget:
         """The soft guard: allocated now + predicted peak <= the budget (always True without a plan)."""
         if not self.plan.planned:
             return True
-        return self.accounting.allocated_bytes() + self.predicted_peak_bytes(batch_size, max_item_cost) <= self.limit_bytes
+        predicted = self.predicted_peak_bytes(batch_size, max_item_cost)
+        return self.accounting.allocated_bytes() + predicted <= self.limit_bytes
 
     def on_oom(self, batch_size: int) -> None:
         """After an OutOfMemoryError (outside its except block): free the cache, lower the cap."""

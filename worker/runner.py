@@ -237,7 +237,8 @@ class Worker:
         return out
 
     async def _serve_group(
-        self, redis: aioredis.Redis, group: list[tuple[Entry, list[object]]], costs: list[list[int]], batch_start_ms: int
+        self, redis: aioredis.Redis, group: list[tuple[Entry, list[object]]], costs: list[list[int]],
+        batch_start_ms: int,
     ) -> bool:
         """Run one cost group and publish its replies. False when the device context was lost
         (the entries stay pending, un-acked, and the worker exits)."""
@@ -249,14 +250,16 @@ class Worker:
                 costs=[c for entry_costs in costs for c in entry_costs],
             )
         except CudaContextLost as exc:
-            log.error("device context lost; exiting without acking", extra={"error": str(exc), "batch_size": len(items)})
+            log.error("device context lost; exiting without acking",
+                      extra={"error": str(exc), "batch_size": len(items)})
             self.fatal = ExitCode.CUDA_CONTEXT_LOST
             self.should_exit = self.force_exit = True
             return False
         outgoing = self._replies(group, results, len(items), batch_start_ms)
         log.info("batch done", extra={"model": self.settings.model, "worker_id": self.worker_id,
                                       "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
-                                      "oom_events": stats.oom_events, "duration_ms": round(monotonic_ms() - started, 2)})
+                                      "oom_events": stats.oom_events,
+                                      "duration_ms": round(monotonic_ms() - started, 2)})
         self.stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok))
         await self._publish(redis, outgoing, [e.entry_id for e, _items in group], [])
         return True
@@ -267,7 +270,8 @@ class Worker:
         try:
             await publish_replies(
                 redis, request_stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                replies=outgoing, entry_ids=entry_ids, dead_letters=dead, reply_maxlen=self.settings.reply_stream_maxlen,
+                replies=outgoing, entry_ids=entry_ids, dead_letters=dead,
+                reply_maxlen=self.settings.reply_stream_maxlen,
             )
         except RedisError as exc:
             log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})

@@ -93,7 +93,8 @@ class SyntheticBackend:
         assert isinstance(batch, list)
         cost = len(batch) * max((self.item_cost(item) for item in batch), default=0)
         self._check_fault_file()
-        faults = [str(i["fault"]) for i in batch if isinstance(i, dict) and "fault" in i] if self.fault_injection else []
+        faults = [str(i["fault"]) for i in batch if isinstance(i, dict) and "fault" in i]
+        faults = faults if self.fault_injection else []
         with self._simulated_memory(batch, cost):
             time.sleep((self.batch_ms + self.item_ms * cost) / 1000)
             for kind in faults:
