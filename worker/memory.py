@@ -345,12 +345,17 @@ def start_budget(
     after - before), `warm_up`, measure and plan, then hard-cap the process at the plan's memory
     fraction (torch.cuda.set_per_process_memory_fraction) and reset the peak for serving.
 
-    Raises MemoryPlanError when the budget cannot hold one item; what backend.load raises.
+    Raises MemoryPlanError when the weights or one item do not fit; what else backend.load raises.
     """
+    import torch
+
     accounting = open_accounting(backend.device, sim_memory_bytes)
     baseline = accounting.baseline_bytes()
     before = accounting.allocated_bytes()
-    backend.load()
+    try:
+        backend.load()
+    except torch.cuda.OutOfMemoryError:
+        raise MemoryPlanError(f"the weights do not fit the device ({accounting.total_bytes()} bytes)") from None
     weights = max(0, accounting.allocated_bytes() - before)
     warm_up()
     plan = build_budget(

@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker.profile: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
+    from worker.execute import CudaContextLost
     from worker.memory import MemoryPlanError
 
     try:
         result = profile(settings, args.total_bytes, progress=not args.json)
-    except MemoryPlanError as exc:
+    except (MemoryPlanError, CudaContextLost, RuntimeError) as exc:  # RuntimeError: --device cuda without a GPU
         print(f"worker.profile: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else render_table(result))

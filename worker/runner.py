@@ -104,8 +104,8 @@ class Worker:
         except RedisError as exc:
             log.error("cannot reach Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
-        except MemoryPlanError as exc:
-            log.error("memory budget too small", extra={"error": str(exc)})
+        except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
+            log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         assert self.budget is not None
         heartbeat = Heartbeat(

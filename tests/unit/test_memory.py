@@ -144,3 +144,20 @@ def test_sim_device_raises_the_real_cuda_oom_past_its_limit() -> None:
     assert dev.memory_allocated() == 40 * MIB  # a failed allocation takes nothing
     with pytest.raises(ValueError):
         dev.set_per_process_memory_fraction(1.5)
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.01])
+def test_watermark_must_be_a_fraction(value: float) -> None:
+    from shared.settings import Settings
+
+    with pytest.raises(ValueError, match="watermark"):
+        Settings(watermark=value)
+
+
+def test_workers_per_gpu_and_sim_size_are_validated() -> None:
+    from shared.settings import Settings
+
+    with pytest.raises(ValueError, match="workers_per_gpu"):
+        Settings(workers_per_gpu=0)
+    with pytest.raises(ValueError, match="sim_memory_bytes"):
+        Settings(sim_memory_bytes=10)
