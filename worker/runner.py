@@ -213,7 +213,7 @@ class Worker:
         kept = [k for k, c in enumerate(costs) if self._fits_alone(c)]
         live_ids = {live[k][0].entry_id for k in kept}
         if outgoing or dead:
-            self.stats.record_batch(0, 0, 0, len(outgoing))
+            self.stats.errors += len(outgoing)
             await self._publish(redis, outgoing, [e.entry_id for e in entries if e.entry_id not in live_ids], dead)
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
         for group in group_by_cost([costs[k] for k in kept], self.config.max_batch_size, budget_cost):
