@@ -92,7 +92,8 @@ class Worker:
         redis = connect(self.settings)
         blocking = connect_blocking(self.settings)
         try:
-            return await self._run(redis, blocking)
+            code = await self._run(redis, blocking)
+            return self.fatal or code  # a lost device context outranks a clean drain
         finally:
             await blocking.aclose()
             await redis.aclose()
@@ -121,8 +122,7 @@ class Worker:
         try:
             await self._serve_forever(redis, blocking)
             self.stats.state = "draining"
-            code = await self._drain()
-            return self.fatal or code
+            return await self._drain()
         finally:
             await heartbeat.stop()
 
@@ -203,6 +203,10 @@ class Worker:
         return ExitCode.OK
 
     async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        """Serve one read batch (per-batch bookkeeping wraps `_run_and_publish` here)."""
+        await self._run_and_publish(redis, entries)
+
+    async def _run_and_publish(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
         publishing each group as soon as it is done. Immediate replies (expired, invalid, too large
         for the memory budget) go out first."""
