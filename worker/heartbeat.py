@@ -51,7 +51,8 @@ class Heartbeat:
 
     def __init__(
         self, settings: Settings, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str,
-        stats: WorkerStats, info: dict[str, object], *, dynamic: Callable[[], Mapping[str, object]] | None = None,
+        stats: WorkerStats, info: dict[str, object],
+        extra_fields: Callable[[], Mapping[str, object]] | None = None,
     ) -> None:
         self._settings = settings
         self._redis = redis
@@ -60,13 +61,13 @@ class Heartbeat:
         self._worker_id = worker_id
         self._stats = stats
         self._info = {"worker_id": worker_id, "model": model, "pid": os.getpid(), **info}
-        self._dynamic = dynamic  # fields read afresh at every beat (memory, issue 3)
+        self._extra_fields = extra_fields  # issue 5: watchdog and metrics fields, computed per beat
         self._beater = Periodic("heartbeat", self._beat_logged, settings.heartbeat_interval_ms / 1000)
 
     async def beat(self) -> None:
         """Write one heartbeat. Raises RedisError."""
-        dynamic = self._dynamic() if self._dynamic is not None else {}
-        fields = {k: str(v) for k, v in {**self._info, **asdict(self._stats), **dynamic, "beat_ms": now_ms()}.items()}
+        extra = self._extra_fields() if self._extra_fields is not None else {}
+        fields = {k: str(v) for k, v in {**self._info, **asdict(self._stats), **extra, "beat_ms": now_ms()}.items()}
         async with self._redis.pipeline(transaction=True) as pipe:
             pipe.hset(self._key, mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(self._key, self._settings.heartbeat_ttl_ms)

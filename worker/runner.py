@@ -113,7 +113,7 @@ class Worker:
             self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
             {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
              "max_wait_ms": self.config.max_wait_ms},
-            dynamic=self.budget.heartbeat_fields,
+            extra_fields=self.budget.heartbeat_fields,
         )
         self.stats.state = "ready"
         heartbeat.start()
