@@ -83,7 +83,8 @@ CATALOGUE: dict[str, ModelSpec] = {
             name="synthetic",
             description=(
                 "test and benchmark model: returns each input unchanged after sleeping "
-                "params.batch_ms + params.item_ms * batch_size (no compute, so many workers share 2 cores)"
+                "params.batch_ms + params.item_ms * batch_size (no compute, so many workers share 2 cores); "
+                "on the simulated device it declares weights and per-item memory (worker/models/synthetic.py)"
             ),
             input_kind=InputKind.JSON,
             output="the input itself",

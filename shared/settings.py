@@ -74,6 +74,18 @@ class Settings(BaseSettings):
     # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
     probe_fault: Literal["none", "raise", "cuda_error"] = "none"
 
+    # --- memory budget (issue 3) ---
+    # The worker plans its batches from measured memory (worker/memory.py): the budget is
+    # watermark * total device memory / workers_per_gpu, and torch.cuda.set_per_process_memory_fraction
+    # hard-caps the process at that fraction.
+    watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
+    workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device
+    memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
+    adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
+    sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
+    fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
+    #                                           raises a CUDA error (one-shot, survives the restart it causes)
+
     @field_validator("served_models", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:

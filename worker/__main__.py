@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 
 from shared.logs import configure_logging
@@ -30,7 +31,13 @@ def main() -> int:
         worker.install_signal_handlers()
         return await worker.run()
 
-    return asyncio.run(_main())
+    code = asyncio.run(_main())
+    if code == ExitCode.CUDA_CONTEXT_LOST:
+        # Leave at once: no atexit hooks or thread joins that could touch a broken CUDA context
+        # (the process exit is what frees its device memory).
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 def build_backend(settings: Settings):  # type: ignore[no-untyped-def]

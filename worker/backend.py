@@ -34,6 +34,13 @@ class ModelBackend(Protocol):
     def item_cost(self, item: object) -> int:
         """The item's cost in the model's own unit (tokens for text, 1 for fixed-size inputs)."""
 
+    @property
+    def max_item_cost(self) -> int:
+        """The largest cost one item can have (the model's token window; 1 for fixed-size inputs)."""
+
+    def sample_item(self, cost: int) -> object:
+        """A decoded item of `cost` (1 <= cost <= max_item_cost), for measuring memory (worker/memory.py)."""
+
     def collate(self, items: Sequence[object]) -> object:
         """Items -> one batch ready for `forward` (tensors on `device`)."""
 
@@ -62,3 +69,19 @@ def resolve_device(setting: str) -> str:
     if setting == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("VRAMGUARD_DEVICE=cuda but torch sees no CUDA device")
     return setting
+
+
+def is_cuda_error(exc: BaseException) -> bool:
+    """Whether `exc` is a CUDA failure other than OOM, after which the context is not trusted
+    (torch.AcceleratorError in torch >= 2.8; a RuntimeError naming CUDA, cuBLAS or cuDNN before)."""
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return False
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "CUDA driver error")
+    )

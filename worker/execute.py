@@ -1,9 +1,14 @@
 """Hop 3 (compute): `run_batch` turns a list of items into one result per item: collate,
-forward, split, encode, in chunks of at most `max_batch_size` items.
+forward, split, encode, in chunks that fit the memory budget (items and padded cost).
 
-A failure never takes the batch down with it: when a chunk raises, its items are retried one
-by one so that only the item that fails gets `model_error`. Runs in a worker thread; never
-touches Redis.
+Failures stay as small as they can be (DESIGN.md "Memory"):
+- a model failure: the chunk's items are retried one by one, so only the failing item gets
+  `model_error`;
+- `torch.cuda.OutOfMemoryError`: free the allocator cache, lower the adaptive cap, split the
+  chunk in halves and retry each; an item that OOMs alone gets 413 `input_too_large`;
+- any other CUDA error, or OOM that persists (a one-item probe that fit at warmup OOMs too):
+  `CudaContextLost`, and the worker exits without acking (runner.py).
+Runs in a worker thread; never touches Redis.
 """
 
 from __future__ import annotations
@@ -12,10 +17,16 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.errors import ModelError, VramguardError
-from worker.backend import ModelBackend
+from shared.errors import InputTooLargeError, ModelError, VramguardError
+from worker.backend import ModelBackend, is_cuda_error
+from worker.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
+
+
+class CudaContextLost(Exception):
+    """The device context is not trusted any more (a non-OOM CUDA error, or OOM that persists).
+    Not a client error: the worker leaves its batch un-acked and exits (ExitCode.CUDA_CONTEXT_LOST)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,35 +44,132 @@ class ItemResult:
 
 @dataclass
 class BatchStats:
-    """What run_batch did, for the heartbeat and logs: forwards run and items that failed."""
+    """What run_batch did, for the heartbeat and logs."""
 
     forwards: int = 0
     items_failed: int = 0
     largest_forward: int = 0
+    oom_events: int = 0
+    splits: int = 0  # chunks split in halves (soft guard or OOM)
 
 
-def run_batch(backend: ModelBackend, items: Sequence[object], max_batch_size: int) -> tuple[list[ItemResult], BatchStats]:
-    """Run `items` through `backend`, at most `max_batch_size` per forward.
+class _OutOfMemory:
+    """Marker returned instead of the OOM exception, so that no traceback (and none of the
+    tensors its frames hold) outlives the except block (PyTorch FAQ, "My out of memory exception
+    handler can't allocate memory")."""
 
-    Returns one ItemResult per item, in order, and the stats. Never raises for a model
-    failure: a failing item gets ModelError's code (or the VramguardError it raised).
+
+_OOM = _OutOfMemory()
+
+
+def chunk_by_cost(costs: Sequence[int], max_batch_size: int, max_batch_cost: int | None) -> list[range]:
+    """Consecutive index ranges, each with at most `max_batch_size` items and a padded cost
+    (items x largest cost) of at most `max_batch_cost` (None: no cost limit). Order is kept;
+    an item costlier than the limit alone gets a range of its own."""
+    chunks: list[range] = []
+    start, largest = 0, 0
+    for i, cost in enumerate(costs):
+        n = i - start + 1
+        too_many = n > max_batch_size
+        too_costly = max_batch_cost is not None and n * max(largest, cost) > max_batch_cost
+        if n > 1 and (too_many or too_costly):
+            chunks.append(range(start, i))
+            start, largest = i, 0
+        largest = max(largest, cost)
+    if costs:
+        chunks.append(range(start, len(costs)))
+    return chunks
+
+
+def run_batch(
+    backend: ModelBackend, items: Sequence[object], max_batch_size: int, *,
+    budget: MemoryBudget | None = None, costs: Sequence[int] | None = None,
+) -> tuple[list[ItemResult], BatchStats]:
+    """Run `items` through `backend` in chunks of at most `max_batch_size` items (and, with a
+    `budget`, its current item cap and cost limit). `costs`: each item's backend.item_cost,
+    computed here when not given.
+
+    Returns one ItemResult per item, in order, and the stats. Never raises for a model failure
+    or an OOM. Raises CudaContextLost when the device can no longer be trusted.
     """
+    costs = list(costs) if costs is not None else [backend.item_cost(item) for item in items]
     stats = BatchStats()
+    limit, max_cost = max_batch_size, None
+    if budget is not None:
+        limit, max_cost = min(limit, budget.max_batch_size), budget.max_batch_cost
+    compute = _Compute(backend, budget, stats)
     results: list[ItemResult] = []
-    for start in range(0, len(items), max_batch_size):
-        results.extend(_run_chunk(backend, items[start : start + max_batch_size], stats))
+    for chunk in chunk_by_cost(costs, limit, max_cost):
+        results.extend(compute.run([items[i] for i in chunk], [costs[i] for i in chunk]))
     return results, stats
 
 
-def _run_chunk(backend: ModelBackend, items: Sequence[object], stats: BatchStats) -> list[ItemResult]:
-    try:
-        return _forward(backend, items, stats)
-    except Exception as exc:  # noqa: BLE001 - any model failure is isolated per item below
+class _Compute:
+    def __init__(self, backend: ModelBackend, budget: MemoryBudget | None, stats: BatchStats) -> None:
+        self.backend = backend
+        self.budget = budget
+        self.stats = stats
+
+    def run(self, items: list[object], costs: list[int]) -> list[ItemResult]:
+        n = len(items)
+        if n > 1 and self.budget is not None and not self.budget.fits(n, max(costs)):
+            log.info("soft guard: predicted peak over the budget; splitting", extra={"batch_size": n})
+            return self._halves(items, costs)
+        outcome = self._try_forward(items)
+        if isinstance(outcome, _OutOfMemory):
+            return self._after_oom(items, costs)
+        if isinstance(outcome, Exception):
+            return self._after_failure(items, costs, outcome)
+        if self.budget is not None:
+            self.budget.on_success(n)
+        return outcome
+
+    def _try_forward(self, items: list[object]) -> list[ItemResult] | Exception | _OutOfMemory:
+        import torch
+
+        try:
+            return _forward(self.backend, items, self.stats)
+        except torch.cuda.OutOfMemoryError:
+            return _OOM
+        except Exception as exc:  # noqa: BLE001 - classified by the caller
+            return exc
+
+    def _halves(self, items: list[object], costs: list[int]) -> list[ItemResult]:
+        self.stats.splits += 1
+        if self.budget is not None:
+            self.budget.batch_splits += 1
+        mid = len(items) // 2
+        return self.run(items[:mid], costs[:mid]) + self.run(items[mid:], costs[mid:])
+
+    def _after_oom(self, items: list[object], costs: list[int]) -> list[ItemResult]:
+        self.stats.oom_events += 1
+        if self.budget is not None:
+            self.budget.on_oom(len(items))
+        log.warning("out of memory; cache freed", extra={"batch_size": len(items), "item_cost": max(costs)})
+        if len(items) > 1:
+            return self._halves(items, costs)
+        self._check_context()
+        self.stats.items_failed += 1
+        message = f"the input (cost {costs[0]}) does not fit the worker's memory budget even alone"
+        return [ItemResult(error_code=InputTooLargeError.code, error_message=message)]
+
+    def _check_context(self) -> None:
+        """OOM that persists: a one-item probe of the smallest cost (it fit at warmup) must still run."""
+        probe = self._try_forward([self.backend.sample_item(1)])
+        if isinstance(probe, _OutOfMemory):
+            raise CudaContextLost("out of memory persists: a one-item probe no longer fits")
+        if isinstance(probe, Exception) and is_cuda_error(probe):
+            raise CudaContextLost(f"CUDA error in the probe: {probe}") from probe
+
+    def _after_failure(self, items: list[object], costs: list[int], exc: Exception) -> list[ItemResult]:
+        if is_cuda_error(exc):
+            raise CudaContextLost(str(exc)) from exc
         if len(items) == 1:
-            stats.items_failed += 1
+            self.stats.items_failed += 1
             return [_failure(exc)]
-        log.warning("batch forward failed; retrying items one by one", extra={"batch_size": len(items), "error": str(exc)})
-        return [result for item in items for result in _run_chunk(backend, [item], stats)]
+        log.warning("batch forward failed; retrying items one by one",
+                    extra={"batch_size": len(items), "error": str(exc)})
+        return [r for item, cost in zip(items, costs, strict=True) for r in self.run([item], [cost])]
 
 
 def _forward(backend: ModelBackend, items: Sequence[object], stats: BatchStats) -> list[ItemResult]:

@@ -21,16 +21,18 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from shared.clock import monotonic_ms, now_ms
-from shared.errors import DeadlineExceededError, InvalidInputError
+from shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError
 from shared.keys import GROUP, Keys
 from shared.protocol import EntryId, ReplyMessage
 from shared.redis_client import connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Batcher, Entry
-from worker.execute import ItemResult, run_batch
+from worker.costing import group_by_cost
+from worker.execute import CudaContextLost, ItemResult, run_batch
 from worker.heartbeat import Heartbeat, WorkerStats
 from worker.metrics import WorkerMetrics
+from worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from worker.publish import DeadLetter, Outgoing, publish_replies
 from worker.watchdog import Watchdog
 
@@ -43,6 +45,7 @@ class ExitCode(IntEnum):
     OK = 0
     STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
+    CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row (issue 5)
 
 
@@ -67,6 +70,8 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
         self.watchdog = Watchdog(settings, backend, self._unhealthy)
+        self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
+        self.fatal: ExitCode | None = None  # set when the device context is lost
 
     def __repr__(self) -> str:
         s = self.stats
@@ -92,7 +97,8 @@ class Worker:
         redis = connect(self.settings)
         blocking = connect_blocking(self.settings)
         try:
-            return await self._run(redis, blocking)
+            code = await self._run(redis, blocking)
+            return self.fatal or code  # a lost device context outranks a clean drain
         finally:
             await blocking.aclose()
             await redis.aclose()
@@ -104,11 +110,16 @@ class Worker:
         except RedisError as exc:
             log.error("cannot reach Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
+        except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
+            log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
+            return ExitCode.STARTUP_FAILED
+        budget = self.budget
+        assert budget is not None
         heartbeat = Heartbeat(
             self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
             {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
              "max_wait_ms": self.config.max_wait_ms},
-            extra_fields=self._observed_fields,
+            extra_fields=lambda: {**self._observed_fields(), **budget.heartbeat_fields()},
         )
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
@@ -133,15 +144,24 @@ class Worker:
                 raise
 
     def warm_up(self) -> None:
-        """Load the weights and run the example inputs once (blocking; call in a thread)."""
+        """Load the weights, run the example inputs once, then measure and plan the memory budget
+        (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
-        self.backend.load()
+        s = self.settings
+        self.budget = start_budget(
+            self.backend, sim_memory_bytes=s.sim_memory_bytes, watermark=s.watermark,
+            workers_per_gpu=s.workers_per_gpu, max_batch_size_cap=self.config.max_batch_size,
+            planner=s.memory_planner, success_run=s.adaptive_success_run, warm_up=self._run_examples,
+        )
+        log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
+        log.info("memory plan", extra={"model": s.model, "worker_id": self.worker_id, **self.budget.plan.as_dict()})
+
+    def _run_examples(self) -> None:
         items = self.backend.decode(self.backend.example_inputs())
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
         failed = [r.error_message for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"warmup failed: {failed[0]}")
-        log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
 
     async def _serve_forever(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> None:
         batcher = Batcher(
@@ -154,6 +174,8 @@ class Worker:
         failures = read = 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
             await slots.acquire()
+            if self.budget is not None:  # the adaptive cap (worker/memory.py) bounds what is read
+                batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
             try:
                 entries = await batcher.read_batch()
                 failures = 0
@@ -192,30 +214,82 @@ class Worker:
         return ExitCode.OK
 
     async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        """Serve one read batch (per-batch bookkeeping wraps `_run_and_publish` here)."""
+        await self._run_and_publish(redis, entries)
+
+    async def _run_and_publish(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
+        publishing each group as soon as it is done. Immediate replies (expired, invalid, too large
+        for the memory budget) go out first."""
         batch_start_ms = now_ms()
         outgoing, dead, live = self._triage(entries, batch_start_ms)
-        items = [item for _entry, entry_items in live for item in entry_items]
-        forwards = 0
-        duration_ms: float | None = None
-        delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in live if e.message is not None]
-        if items:
-            started = monotonic_ms()
-            results, stats = await asyncio.to_thread(run_batch, self.backend, items, self.config.max_batch_size)
-            forwards = stats.forwards
-            duration_ms = monotonic_ms() - started
-            outgoing.extend(self._replies(live, results, len(items), batch_start_ms))
-            self.watchdog.record_batch(results)
-            log.info("batch done", extra={"model": self.settings.model, "worker_id": self.worker_id,
-                                          "batch_size": len(items), "requests": len(live),
-                                          "queue_delay_ms": max(delays_ms, default=0.0),
-                                          "duration_ms": round(duration_ms, 2)})
+        costs = await asyncio.to_thread(lambda: [[self.backend.item_cost(i) for i in items] for _e, items in live])
+        outgoing.extend(self._refuse_too_large(live, costs))
+        kept = [k for k, c in enumerate(costs) if self._fits_alone(c)]
+        live_ids = {live[k][0].entry_id for k in kept}
+        if outgoing or dead:
+            self.stats.errors += len(outgoing)
+            await self._publish(redis, outgoing, [e.entry_id for e in entries if e.entry_id not in live_ids], dead)
+        budget_cost = self.budget.max_batch_cost if self.budget is not None else None
+        for group in group_by_cost([costs[k] for k in kept], self.config.max_batch_size, budget_cost):
+            ok = await self._serve_group(redis, [live[kept[g]] for g in group], [costs[kept[g]] for g in group],
+                                         batch_start_ms)
+            if not ok:
+                return  # the context is lost: nothing more is computed or acked
+
+    def _fits_alone(self, entry_costs: list[int]) -> bool:
+        return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
+
+    def _refuse_too_large(self, live: list[tuple[Entry, list[object]]], costs: list[list[int]]) -> list[Outgoing]:
+        """413 input_too_large at once for an entry with an item that cannot fit the budget even alone."""
+        out = []
+        for (entry, _items), entry_costs in zip(live, costs, strict=True):
+            if not self._fits_alone(entry_costs):
+                assert self.budget is not None
+                message = (f"an input costs {max(entry_costs)} (tokens or items); the memory budget allows "
+                           f"{self.budget.plan.max_batch_cost} per forward")
+                out.append(self._failure(entry, InputTooLargeError.code, message))
+        return out
+
+    async def _serve_group(
+        self, redis: aioredis.Redis, group: list[tuple[Entry, list[object]]], costs: list[list[int]],
+        batch_start_ms: int,
+    ) -> bool:
+        """Run one cost group and publish its replies. False when the device context was lost
+        (the entries stay pending, un-acked, and the worker exits)."""
+        items = [item for _entry, entry_items in group for item in entry_items]
+        started = monotonic_ms()
+        try:
+            results, stats = await asyncio.to_thread(
+                run_batch, self.backend, items, self.config.max_batch_size, budget=self.budget,
+                costs=[c for entry_costs in costs for c in entry_costs],
+            )
+        except CudaContextLost as exc:
+            log.error("device context lost; exiting without acking",
+                      extra={"error": str(exc), "batch_size": len(items)})
+            self.fatal = ExitCode.CUDA_CONTEXT_LOST
+            self.should_exit = self.force_exit = True
+            return False
+        duration_ms = monotonic_ms() - started
+        outgoing = self._replies(group, results, len(items), batch_start_ms)
+        delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
+        self.watchdog.record_batch(results)
         self.metrics.observe_batch(len(items), delays_ms, duration_ms)
-        errors = sum(1 for o in outgoing if not o.reply.ok)
-        self.stats.record_batch(len(items), len(live), forwards, errors)
+        log.info("batch done", extra={"model": self.settings.model, "worker_id": self.worker_id,
+                                      "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
+                                      "oom_events": stats.oom_events, "queue_delay_ms": max(delays_ms, default=0.0),
+                                      "duration_ms": round(duration_ms, 2)})
+        self.stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok))
+        await self._publish(redis, outgoing, [e.entry_id for e, _items in group], [])
+        return True
+
+    async def _publish(
+        self, redis: aioredis.Redis, outgoing: list[Outgoing], entry_ids: list[EntryId], dead: list[DeadLetter]
+    ) -> None:
         try:
             await publish_replies(
                 redis, request_stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                replies=outgoing, entry_ids=[e.entry_id for e in entries], dead_letters=dead,
+                replies=outgoing, entry_ids=entry_ids, dead_letters=dead,
                 reply_maxlen=self.settings.reply_stream_maxlen,
             )
         except RedisError as exc:

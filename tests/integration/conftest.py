@@ -47,7 +47,7 @@ async def start_worker(settings_factory: Callable[..., Settings]) -> AsyncIterat
         overrides.setdefault("model", "synthetic")
         overrides.setdefault("worker_name", f"inproc-{len(handles)}")
         settings = settings_factory(**overrides)
-        backend = create_backend(settings, "cpu")
+        backend = create_backend(settings, "sim" if settings.device == "sim" else "cpu")
         handle = WorkerHandle(Worker(settings, backend))
         handles.append(handle)
         await wait_until(lambda: handle.worker.stats.state == "ready" or handle.task.done(), 60)

@@ -18,7 +18,8 @@ def _minilm(config: ModelConfig, device: str, settings: Settings) -> ModelBacken
 def _synthetic(config: ModelConfig, device: str, settings: Settings) -> ModelBackend:
     from worker.models.synthetic import SyntheticBackend
 
-    return SyntheticBackend(config, device, fault_injection=settings.fault_injection)
+    return SyntheticBackend(config, device, fault_injection=settings.fault_injection,
+                            fault_file=settings.fault_cuda_error_file)
 
 
 REGISTRY: dict[str, Callable[[ModelConfig, str, Settings], ModelBackend]] = {

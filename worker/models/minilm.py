@@ -24,6 +24,8 @@ class MiniLMBackend:
     def __init__(self, config: ModelConfig, device: str) -> None:
         if config.params:
             raise ValueError(f"minilm takes no params, got {sorted(config.params)}")
+        if device == "sim":
+            raise ValueError("minilm runs on cuda or cpu; the simulated device is for the synthetic model")
         self.device = device
         self._model: torch.nn.Module | None = None
 
@@ -56,6 +58,14 @@ class MiniLMBackend:
         assert isinstance(item, str)
         ids = self.model.tokenizer(item, truncation=True, max_length=self.max_tokens)["input_ids"]
         return len(ids)
+
+    def sample_item(self, cost: int) -> object:
+        """A text of exactly `cost` tokens: [CLS] + (cost - 2) x "a" + [SEP] (cost >= 3)."""
+        return " ".join(["a"] * max(1, cost - 2))
+
+    @property
+    def max_item_cost(self) -> int:
+        return self.max_tokens
 
     def collate(self, items: Sequence[object]) -> object:
         features = self.model.preprocess(list(items))

@@ -1,6 +1,15 @@
 """`synthetic`: a test and benchmark model. Each output is its input, unchanged, after a
-sleep of params.batch_ms + params.item_ms * batch_size per forward. It sleeps instead of
-computing so that many synthetic workers do not compete for the CPU.
+sleep of params.batch_ms + params.item_ms * the batch's padded cost per forward. It sleeps
+instead of computing so that many synthetic workers do not compete for the CPU.
+
+Cost: 1 per input, unless params.max_tokens > 1: then a string costs its word count (truncated
+at max_tokens, as minilm truncates at its window) and a batch costs items x its longest item.
+
+On the simulated device (device "sim", worker/simdevice.py) it declares memory, so the planner
+has something real to measure: params.weights_mib held from load, and per forward
+params.fixed_mib + params.item_mib * padded cost, which raises the real
+torch.cuda.OutOfMemoryError past the device's limit. The defaults on a 512 MiB device at
+watermark 0.8 allow floor((409.6 - 128 - 16) / 8) = 33 items, well below the cap of 64.
 
 With Settings.fault_injection on (tests and demos only), an input {"fault": KIND} breaks the
 forward it is in, the way real failures do:
@@ -8,6 +17,10 @@ forward it is in, the way real failures do:
     "exit"        the process dies at once, mid-batch (os._exit(137), as after SIGKILL)
     "cuda_error"  RuntimeError("CUDA error: an illegal memory access was encountered")
     "oom"         torch.cuda.OutOfMemoryError
+    "leak"        (sim) the forward keeps all free device memory for good: every later forward OOMs
+and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
+way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
+when that file exists, the next forward deletes it and raises a CUDA error.
 """
 
 from __future__ import annotations
@@ -15,47 +28,92 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
 
 from shared.errors import ModelError
 from shared.models import ModelConfig
+from worker import simdevice
+from worker.simdevice import SimDevice
 
-KNOWN_PARAMS = frozenset({"batch_ms", "item_ms"})
+MIB = 1024 * 1024
+DEFAULT_PARAMS = {"batch_ms": 0.0, "item_ms": 0.0, "weights_mib": 128.0, "fixed_mib": 16.0, "item_mib": 8.0,
+                  "max_tokens": 1.0}
+KNOWN_PARAMS = frozenset(DEFAULT_PARAMS)
 
 
 class SyntheticBackend:
-    """Echo backend; params (ms): batch_ms (fixed cost per forward), item_ms (cost per item)."""
+    """Echo backend. Params: batch_ms, item_ms (sleep per forward and per unit of padded cost),
+    weights_mib, fixed_mib, item_mib (simulated memory), max_tokens (1: fixed-size inputs)."""
 
     name = "synthetic"
 
-    def __init__(self, config: ModelConfig, device: str, *, fault_injection: bool = False) -> None:
+    def __init__(
+        self, config: ModelConfig, device: str, *, fault_injection: bool = False, fault_file: str | None = None
+    ) -> None:
         unknown = set(config.params) - KNOWN_PARAMS
         if unknown:
             raise ValueError(f"synthetic: unknown params {sorted(unknown)}; known: {sorted(KNOWN_PARAMS)}")
+        p = {**DEFAULT_PARAMS, **config.params}
+        if p["max_tokens"] < 1:
+            raise ValueError("synthetic: params.max_tokens must be >= 1")
         self.device = device
         self.fault_injection = fault_injection
-        self.batch_ms = config.params.get("batch_ms", 0.0)
-        self.item_ms = config.params.get("item_ms", 0.0)
+        self.fault_file = Path(fault_file) if fault_file else None
+        self.batch_ms, self.item_ms = p["batch_ms"], p["item_ms"]
+        self.weights_bytes, self.fixed_bytes = int(p["weights_mib"] * MIB), int(p["fixed_mib"] * MIB)
+        self.unit_bytes = p["item_mib"] * MIB
+        self._max_tokens = int(p["max_tokens"])
+        self._sim: SimDevice | None = None
 
     def load(self) -> None:
-        pass
+        if self.device == "sim":
+            self._sim = simdevice.current()
+            self._sim.allocate(self.weights_bytes)
 
     def decode(self, inputs: list[object]) -> list[object]:
         return list(inputs)
 
+    @property
+    def max_item_cost(self) -> int:
+        return self._max_tokens
+
     def item_cost(self, item: object) -> int:
+        if self._max_tokens > 1 and isinstance(item, str):
+            return max(1, min(len(item.split()), self._max_tokens))
         return 1
+
+    def sample_item(self, cost: int) -> object:
+        return " ".join(["w"] * cost) if self._max_tokens > 1 else 0.0
 
     def collate(self, items: Sequence[object]) -> object:
         return list(items)
 
     def forward(self, batch: object) -> object:
         assert isinstance(batch, list)
-        time.sleep((self.batch_ms + self.item_ms * len(batch)) / 1000)
-        if self.fault_injection:
-            for item in batch:
-                if isinstance(item, dict) and "fault" in item:
-                    inject_fault(str(item["fault"]))
+        cost = len(batch) * max((self.item_cost(item) for item in batch), default=0)
+        self._check_fault_file()
+        faults = [str(i["fault"]) for i in batch if isinstance(i, dict) and "fault" in i]
+        faults = faults if self.fault_injection else []
+        with self._simulated_memory(batch, cost):
+            time.sleep((self.batch_ms + self.item_ms * cost) / 1000)
+            for kind in faults:
+                if kind != "leak":
+                    inject_fault(kind)
+        if "leak" in faults and self._sim is not None:
+            self._sim.allocate(max(0, self._sim.limit_bytes - self._sim.memory_allocated()))
         return batch
+
+    def _simulated_memory(self, batch: list[object], cost: int) -> AbstractContextManager[None]:
+        if self._sim is None:
+            return nullcontext()
+        extra = sum(float(i.get("alloc_mib", 0)) for i in batch if isinstance(i, dict)) if self.fault_injection else 0
+        return self._sim.transient(int(self.fixed_bytes + self.unit_bytes * cost + extra * MIB))
+
+    def _check_fault_file(self) -> None:
+        if self.fault_file is not None and self.fault_file.exists():
+            self.fault_file.unlink(missing_ok=True)
+            inject_fault("cuda_error")
 
     def split(self, outputs: object, n_items: int) -> list[object]:
         assert isinstance(outputs, list)

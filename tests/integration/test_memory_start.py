@@ -1,0 +1,57 @@
+"""A worker's start under a memory budget, and `python -m worker.profile` as a real process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, service_env
+from worker.models import create_backend
+from worker.runner import ExitCode, Worker
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize("device_mib", [100, 150, 170])
+async def test_a_device_too_small_stops_the_worker_at_start(settings_factory, device_mib: int) -> None:
+    """1. The synthetic model's 128 MiB of weights on a 100 MiB device (they do not load), on
+    150 MiB (the warmup OOMs), or on 170 MiB (0.8 x 170 = 136 MiB cannot hold weights + fixed +
+    one item).
+    Result: the worker exits STARTUP_FAILED (supervisor gives up after startretries)."""
+    settings = settings_factory(model="synthetic", device="sim", sim_memory_bytes=device_mib * MIB)
+    worker = Worker(settings, create_backend(settings, "sim"))
+    assert await worker.run() == ExitCode.STARTUP_FAILED
+
+
+def run_profile(*args: str) -> subprocess.CompletedProcess[str]:
+    env = service_env("redis://127.0.0.1:1/0")
+    return subprocess.run([sys.executable, "-m", "worker.profile", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_profile_json_plans_for_a_device_of_a_given_size() -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(1024 * MIB),
+                       "--workers-per-gpu", "2", "--watermark", "0.5", "--json")
+    assert done.returncode == 0, done.stderr
+    plan = json.loads(done.stdout)
+    assert plan["total_bytes"] == 1024 * MIB and plan["watermark"] == 0.5 and plan["workers_per_gpu"] == 2
+    assert plan["baseline_bytes"] == 0 and plan["weights_bytes"] == 128 * MIB
+    assert plan["fixed_bytes"] == 16 * MIB and plan["per_item_bytes"] == 8 * MIB
+    # 0.5 x 1024 / 2 = 256 MiB; (256 - 144) / 8 = 14 items
+    assert plan["max_batch_size_cap"] == 64 and plan["max_batch_size"] == 14
+    assert plan["memory_fraction"] == 0.25
+
+
+def test_profile_table_shows_the_plan_and_a_progress_bar() -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim")
+    assert done.returncode == 0, done.stderr
+    assert "max_batch_size                 33" in done.stdout
+    assert "measuring synthetic" in done.stderr and "4/4" in done.stderr
+
+
+def test_profile_names_a_budget_too_small() -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(170 * MIB))
+    assert done.returncode == 1 and "cannot hold" in done.stderr, done.stderr

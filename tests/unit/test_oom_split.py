@@ -1,0 +1,107 @@
+"""run_batch under a memory budget on the simulated device: the soft guard, OOM halving, 413 for
+an item that cannot fit alone, a lost context; and the cost-based grouping of a read."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.models import ModelConfig
+from worker.accounting import SimAccounting
+from worker.costing import group_by_cost
+from worker.execute import CudaContextLost, chunk_by_cost, run_batch
+from worker.memory import MemoryBudget, start_budget
+from worker.models.synthetic import SyntheticBackend
+from worker.simdevice import MIB
+
+
+@pytest.fixture
+def make_budget():  # type: ignore[no-untyped-def]
+    def make(total_mib: int, **kwargs: object) -> tuple[SyntheticBackend, MemoryBudget]:
+        p = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4, **kwargs.pop("params", {})}  # type: ignore[dict-item]
+        backend = SyntheticBackend(ModelConfig(params=p), "sim", fault_injection=True)
+        budget = start_budget(backend, sim_memory_bytes=total_mib * MIB, watermark=0.8, workers_per_gpu=1,
+                              max_batch_size_cap=int(kwargs.pop("cap", 64)), planner=bool(kwargs.pop("planner", True)),
+                              success_run=4)
+        return backend, budget
+
+    return make
+
+
+def test_planned_budget_runs_a_large_batch_without_oom(make_budget) -> None:
+    backend, budget = make_budget(64)
+    # 0.8 x 64 = 51.2 MiB; (51.2 - 8 - 4) / 4 = 9.8 -> 9 items per forward
+    assert budget.plan.max_batch_size == 9
+    results, stats = run_batch(backend, list(range(40)), 64, budget=budget)
+    assert [r.output for r in results] == list(range(40))
+    assert stats.oom_events == 0 and budget.oom_events == 0
+    assert stats.largest_forward <= 9 and budget.largest_forward <= 9
+    assert budget.accounting.peak_bytes() <= budget.limit_bytes
+
+
+def test_soft_guard_splits_when_memory_is_taken(make_budget) -> None:
+    backend, budget = make_budget(64)
+    assert isinstance(budget.accounting, SimAccounting)
+    budget.accounting.device.allocate(20 * MIB)  # someone else holds memory: only 4 items fit now
+    results, stats = run_batch(backend, list(range(9)), 64, budget=budget)
+    assert [r.output for r in results] == list(range(9))
+    assert stats.oom_events == 0 and stats.splits >= 1 and budget.batch_splits >= 1
+
+
+def test_oom_splits_in_halves_and_lowers_the_cap(make_budget) -> None:
+    backend, budget = make_budget(64, planner=False, cap=32)
+    assert budget.max_batch_size == 32
+    results, stats = run_batch(backend, list(range(32)), 32, budget=budget)
+    assert [r.output for r in results] == list(range(32))
+    assert stats.oom_events >= 1 and budget.oom_events == stats.oom_events
+    assert budget.max_batch_size < 32  # adaptive cap went down
+
+
+def test_an_item_that_cannot_fit_alone_gets_413_and_the_rest_succeed(make_budget) -> None:
+    backend, budget = make_budget(64, planner=False, cap=8)
+    items: list[object] = [0, 1, 2, {"alloc_mib": 1000}, 4, 5, 6, 7]
+    results, stats = run_batch(backend, items, 8, budget=budget)
+    assert [r.error_code for r in results] == [None] * 3 + ["input_too_large"] + [None] * 4
+    assert [r.output for r in results if r.ok] == [0, 1, 2, 4, 5, 6, 7]
+
+
+def test_oom_that_persists_means_the_context_is_lost(make_budget) -> None:
+    backend, budget = make_budget(64)
+    run_batch(backend, [{"fault": "leak"}], 8, budget=budget)  # keeps all free memory for good
+    with pytest.raises(CudaContextLost, match="persists"):
+        run_batch(backend, [1, 2], 8, budget=budget)
+
+
+def test_a_non_oom_cuda_error_means_the_context_is_lost(make_budget) -> None:
+    backend, budget = make_budget(64)
+    with pytest.raises(CudaContextLost, match="illegal memory access"):
+        run_batch(backend, [1, {"fault": "cuda_error"}, 3], 8, budget=budget)
+
+
+def test_fault_file_is_one_shot(make_budget, tmp_path) -> None:
+    backend, budget = make_budget(64)
+    flag = tmp_path / "cuda-error"
+    flag.touch()
+    backend.fault_file = flag
+    with pytest.raises(CudaContextLost):
+        run_batch(backend, [1], 8, budget=budget)
+    assert not flag.exists()
+    assert run_batch(backend, [1], 8, budget=budget)[0][0].output == 1
+
+
+def test_chunks_respect_items_and_padded_cost() -> None:
+    assert chunk_by_cost([1] * 5, 2, None) == [range(0, 2), range(2, 4), range(4, 5)]
+    assert chunk_by_cost([10, 10, 50, 10], 8, 60) == [range(0, 2), range(2, 3), range(3, 4)]
+    assert chunk_by_cost([100], 8, 60) == [range(0, 1)]  # too costly alone: its own chunk
+    assert chunk_by_cost([], 8, 60) == []
+
+
+def test_group_by_cost_keeps_a_long_input_away_from_short_ones() -> None:
+    entries = [[3]] * 3 + [[64]] + [[4]] * 4  # 7 short texts and 1 at the model's maximum
+    groups = group_by_cost(entries, 64, 10_000)
+    assert groups == [[0, 1, 2, 4, 5, 6, 7], [3]]
+
+
+def test_group_by_cost_limits() -> None:
+    assert group_by_cost([[1]] * 10, 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    assert group_by_cost([[10, 10], [10], [10]], 64, 30) == [[0, 1], [2]]  # padded cost 30 per group
+    assert group_by_cost([], 4, None) == []
