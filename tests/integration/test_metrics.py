@@ -101,8 +101,12 @@ async def test_metrics_after_known_traffic(gateway, start_worker, redis_client: 
     assert abs(value(samples, "vramguard_worker_start_time_seconds", **worker) - started_s) < 120
     info = matching(samples, "vramguard_worker_info", **worker)
     assert [dict(lbl)["state"] for lbl in info] == ["ready"]
-    # No memory report on this branch's CPU worker: the series are absent, not zero.
-    assert not matching(samples, "vramguard_worker_memory_allocated_bytes")
+    # A CPU worker reports its memory from its own accounting (RSS), labelled device="cpu".
+    for name in ("allocated", "reserved", "peak", "total", "budget"):
+        assert value(samples, f"vramguard_worker_memory_{name}_bytes", **worker) > 0, name
+    assert value(samples, "vramguard_worker_memory_total_bytes", **worker) >= value(
+        samples, "vramguard_worker_memory_allocated_bytes", **worker)
+    assert value(samples, "vramguard_worker_oom_events_total", **worker) == 0
 
 
 MEMORY_FIELDS = {
