@@ -31,6 +31,7 @@ from worker.batcher import Batcher, Entry
 from worker.execute import ItemResult, run_batch
 from worker.heartbeat import Heartbeat, WorkerStats
 from worker.publish import DeadLetter, Outgoing, publish_replies
+from worker.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,9 @@ class Worker:
         self.force_exit = False
         self._max_batches = max_batches
         self._inflight: set[asyncio.Task[None]] = set()
+        self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
+        self._batcher: Batcher | None = None
+        self.reclaimer: Reclaimer | None = None
 
     def __repr__(self) -> str:
         s = self.stats
@@ -93,9 +97,14 @@ class Worker:
             await redis.aclose()
 
     async def _run(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> ExitCode:
+        reclaimer = self.reclaimer = Reclaimer(
+            self.settings, redis, self.stream, self.keys.dead_letter_stream(self.settings.model), self.worker_id,
+            self.held_entries,
+        )
         try:
             await self.ensure_group(redis)
             await asyncio.to_thread(self.warm_up)
+            await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
         except RedisError as exc:
             log.error("cannot reach Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
@@ -106,13 +115,15 @@ class Worker:
         )
         self.stats.state = "ready"
         heartbeat.start()
+        reclaimer.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device, "settings": self.settings.masked()})
         try:
             await self._serve_forever(redis, blocking)
             self.stats.state = "draining"
-            return await self._drain()
+            return await self._drain(redis)
         finally:
+            await reclaimer.stop()
             await heartbeat.stop()
 
     async def ensure_group(self, redis: aioredis.Redis) -> None:
@@ -138,12 +149,22 @@ class Worker:
         batcher = Batcher(
             blocking, self.stream, self.worker_id,
             max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
-            block_ms=self.settings.block_ms,
+            block_ms=self.settings.block_ms, replay_history=False,
         )
+        self._batcher = batcher
         slots = asyncio.Semaphore(self.config.max_inflight_batches)
         backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         failures = read = 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
+            if self.reclaimer is not None and self.reclaimer.has_work:
+                try:
+                    await self._serve_suspect(redis, self.reclaimer)
+                    failures = 0
+                except RedisError as exc:
+                    failures += 1
+                    log.warning("reclaim failed", extra={"error": str(exc), "failures": failures})
+                    await self._recover(redis, exc, backoff.compute(failures))
+                continue
             await slots.acquire()
             try:
                 entries = await batcher.read_batch()
@@ -171,7 +192,30 @@ class Worker:
                 pass
         await asyncio.sleep(delay_s)
 
-    async def _drain(self) -> ExitCode:
+    def held_entries(self) -> list[EntryId]:
+        """Entries this worker holds: batches being served and the batcher's carry-over."""
+        carried = self._batcher.carried_ids if self._batcher is not None else []
+        return [*self._held, *carried]
+
+    async def _serve_suspect(self, redis: aioredis.Redis, reclaimer: Reclaimer) -> None:
+        """Serve one reclaimed entry alone, with no other batch in flight, so that if it is the
+        input that kills workers it takes nothing else with it; past max_deliveries, dead-letter it."""
+        if self._inflight:
+            await asyncio.wait(set(self._inflight))
+        suspect = await reclaimer.claim_one()
+        if suspect is None:
+            return
+        if reclaimer.exhausted(suspect):
+            await reclaimer.dead_letter(suspect, self.settings.reply_stream_maxlen)
+            return
+        await self._serve_batch(redis, [suspect.entry])
+
+    async def _drain(self, redis: aioredis.Redis) -> ExitCode:
+        carried = self._batcher.drain_carry() if self._batcher is not None else []
+        if carried and not self.force_exit:
+            task = asyncio.create_task(self._serve_batch(redis, carried))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
         if not self._inflight:
             return ExitCode.OK
         done, pending = await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
@@ -181,6 +225,14 @@ class Worker:
         return ExitCode.OK
 
     async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        ids = [e.entry_id for e in entries]
+        self._held.update(ids)
+        try:
+            await self._run_and_publish(redis, entries)
+        finally:
+            self._held.difference_update(ids)
+
+    async def _run_and_publish(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
         batch_start_ms = now_ms()
         outgoing, dead, live = self._triage(entries, batch_start_ms)
         items = [item for _entry, entry_items in live for item in entry_items]
