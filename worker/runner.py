@@ -166,6 +166,9 @@ class Worker:
                     await self._recover(redis, exc, backoff.compute(failures))
                 continue
             await slots.acquire()
+            if self.should_exit:  # signalled while waiting for a slot: read nothing more
+                slots.release()
+                break
             try:
                 entries = await batcher.read_batch()
                 failures = 0
