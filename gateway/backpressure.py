@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable
 
 WINDOW_S = 10.0  # replies older than this no longer count toward the rate
+MIN_SPAN_S = 1.0  # shortest span of replies a rate is computed from
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
 
@@ -26,7 +27,6 @@ class ThroughputMeter:
         self._window_s = window_s
         self._clock = clock
         self._times: deque[float] = deque()
-        self._started_s = clock()
 
     def record(self, n: int = 1) -> None:
         """Count `n` replies received now."""
@@ -35,14 +35,14 @@ class ThroughputMeter:
         self._expire(now)
 
     def rate_per_s(self) -> float | None:
-        """Replies per second over the window (or since creation, if younger); None while the
-        meter is younger than the window and has seen nothing (no evidence yet either way)."""
+        """Replies per second from the oldest reply in the window until now; None while that
+        span is under MIN_SPAN_S (a first batch of replies says little about the rate) or the
+        window holds no reply (an idle gateway and stuck workers look alike from here)."""
         now = self._clock()
         self._expire(now)
-        age_s = now - self._started_s
-        if not self._times and age_s < self._window_s:
+        if not self._times or now - self._times[0] < MIN_SPAN_S:
             return None
-        return len(self._times) / min(self._window_s, max(age_s, 1e-3))
+        return len(self._times) / (now - self._times[0])
 
     def _expire(self, now: float) -> None:
         while self._times and self._times[0] < now - self._window_s:
@@ -51,10 +51,8 @@ class ThroughputMeter:
 
 def retry_after_s(depth: int, rate_per_s: float | None) -> int:
     """Seconds until the `depth` entries queued or in flight are served at `rate_per_s`, rounded
-    up and clamped to [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]: the minimum while the rate is
-    unknown (None), the maximum when nothing was served in a whole window (workers stuck or gone)."""
-    if rate_per_s is None:
+    up and clamped to [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]; the minimum while the rate is
+    unknown (None)."""
+    if not rate_per_s:
         return MIN_RETRY_AFTER_S
-    if rate_per_s <= 0:
-        return MAX_RETRY_AFTER_S
     return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(depth / rate_per_s)))

@@ -8,6 +8,7 @@ never shares, or poisons, a pooled connection (redis-py asyncio guidance).
 from __future__ import annotations
 
 import redis.asyncio as aioredis
+from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -18,6 +19,7 @@ from shared.settings import Settings
 # Short commands: give up fast so that a request never hangs on a dead Redis (issue 4).
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+POOL_MAX_CONNECTIONS = 64  # per process; more concurrent commands wait for a free connection
 
 
 def _retry() -> Retry:
@@ -26,15 +28,22 @@ def _retry() -> Retry:
 
 
 def connect(settings: Settings) -> aioredis.Redis:
-    """A pooled client for non-blocking commands; binary replies (decode_responses=False)."""
-    return aioredis.Redis.from_url(
+    """A pooled client for non-blocking commands; binary replies (decode_responses=False).
+
+    The pool blocks (up to COMMAND_TIMEOUT_S) when all POOL_MAX_CONNECTIONS are busy, instead of
+    redis-py's default pool raising "Too many connections" at 100 concurrent requests (issue 4).
+    """
+    pool = BlockingConnectionPool.from_url(
         settings.redis_url,
+        max_connections=POOL_MAX_CONNECTIONS,
+        timeout=COMMAND_TIMEOUT_S,
         socket_timeout=COMMAND_TIMEOUT_S,
         socket_connect_timeout=CONNECT_TIMEOUT_S,
         retry=_retry(),
         retry_on_error=[RedisConnectionError, RedisTimeoutError],
         health_check_interval=10,
     )
+    return aioredis.Redis.from_pool(pool)
 
 
 def connect_blocking(settings: Settings) -> aioredis.Redis:

@@ -33,6 +33,7 @@ class Result:
     request_id: str | None = None
     own_output: bool = False  # a 200 whose outputs are exactly [value]
     retry_after: str | None = None
+    message: str | None = None
 
     @property
     def latency_s(self) -> float:
@@ -165,7 +166,8 @@ def _result(value: int, sent: object, sent_s: float, response: httpx.Response) -
                       own_output=body.get("outputs") == [sent])
     error = body.get("error", {}) if isinstance(body, dict) else {}
     return Result(value, sent_s, answered_s, response.status_code, code=error.get("code"),
-                  request_id=error.get("request_id"), retry_after=response.headers.get("retry-after"))
+                  request_id=error.get("request_id"), retry_after=response.headers.get("retry-after"),
+                  message=error.get("message"))
 
 
 def count_logged(log_dir: Path, message: str) -> int:
