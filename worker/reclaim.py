@@ -141,7 +141,7 @@ class Reclaimer:
         pending = await self._redis.xpending_range(
             self._stream, GROUP, min="-", max="+", count=10_000, consumername=self._worker_id
         )
-        self._own.extend(EntryId(p["message_id"].decode()) for p in pending)
+        self._own.extend(EntryId(_text(p["message_id"])) for p in pending)
         return len(self._own)
 
     async def scan(self) -> None:
@@ -167,7 +167,7 @@ class Reclaimer:
         removed = await self._clean(
             keys=[self._stream], args=[GROUP, self._settings.consumer_idle_ms, self._worker_id]
         )
-        names = [n.decode() if isinstance(n, bytes) else str(n) for n in removed or ()]
+        names = [_text(n) for n in removed or ()]
         if names:
             self.consumers_removed += len(names)
             log.info("removed dead consumers", extra={"consumers": names, "stream": self._stream})
@@ -191,7 +191,7 @@ class Reclaimer:
                 self._stream, GROUP, self._worker_id, self._settings.claim_idle_ms, start_id=self._cursor, count=1
             )
             cursor, claimed = reply[0], reply[1]
-            self._cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
+            self._cursor = _text(cursor)
             suspect = await self._suspect(claimed)
             if suspect is not None:
                 return suspect
@@ -231,9 +231,14 @@ class Reclaimer:
             replies.append(Outgoing(entry.message.reply_to, reply))
         await publish_replies(
             self._redis, request_stream=self._stream, dead_letter_stream=self._dead_letter_stream,
-            replies=replies, entry_ids=[entry.entry_id], dead_letters=[DeadLetter(entry.entry_id, entry.fields, reason)],
-            reply_maxlen=reply_maxlen,
+            replies=replies, entry_ids=[entry.entry_id],
+            dead_letters=[DeadLetter(entry.entry_id, entry.fields, reason)], reply_maxlen=reply_maxlen,
         )
         self.dead_lettered += 1
         log.error("entry dead-lettered", extra={"entry_id": entry.entry_id, "delivery_count": suspect.delivery_count,
                                                 "request_id": entry.message.request_id if entry.message else None})
+
+
+def _text(value: object) -> str:
+    """A Redis reply value (bytes with decode_responses=False) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)

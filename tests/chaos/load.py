@@ -18,6 +18,9 @@ from pathlib import Path
 import httpx
 
 POOL_CONNECTIONS = 5
+# Below uvicorn's timeout_keep_alive (5 s): a client must drop an idle connection before the
+# server does, or a request sent on it as the server closes it fails without reaching the app.
+KEEPALIVE_EXPIRY_S = 2.0
 FIGURES = Path(__file__).resolve().parents[2] / "test-artifacts" / "chaos-figures.txt"
 
 
@@ -102,7 +105,8 @@ class Load:
         self._pools = [
             httpx.AsyncClient(base_url=url, timeout=self._client_timeout_s,
                               limits=httpx.Limits(max_connections=2 * POOL_CONNECTIONS,  # room for uneven use
-                                                  max_keepalive_connections=2 * POOL_CONNECTIONS))
+                                                  max_keepalive_connections=2 * POOL_CONNECTIONS,
+                                                  keepalive_expiry=KEEPALIVE_EXPIRY_S))
             for _ in range(-(-clients // POOL_CONNECTIONS))
         ]
         self._next_pool = itertools.cycle(self._pools)
@@ -124,8 +128,8 @@ class Load:
         sent_s = time.monotonic()
         try:
             response = await next(self._next_pool).post("/v1/models/synthetic/infer", json=body)
-        except httpx.HTTPError:
-            result = Result(value, sent_s, time.monotonic(), None)
+        except httpx.HTTPError as exc:
+            result = Result(value, sent_s, time.monotonic(), None, message=repr(exc))
         else:
             result = _result(value, sent, sent_s, response)
         self.tally.results.append(result)
