@@ -134,3 +134,17 @@ async def test_consumers_of_dead_workers_are_removed(redis_client, settings_fact
     names = {c["name"].decode() for c in await redis_client.xinfo_consumers(stream, GROUP)}
     assert names == {"ghost-holding", "me"}
     assert (await redis_client.xpending(stream, GROUP))["pending"] == 2
+
+
+async def test_the_reclaim_scan_removes_dead_consumers_by_itself(redis_client, start_worker, key_prefix) -> None:
+    stream, reply_to = await setup_stream(redis_client, Keys(key_prefix))
+    await enqueue(redis_client, stream, reply_to, "done")
+    [[_s, [(done_id, _f)]]] = await redis_client.xreadgroup(GROUP, "ghost", {stream: ">"}, count=1)
+    await redis_client.xack(stream, GROUP, done_id)
+    handle = await start_worker(consumer_idle_ms=1500, block_ms=100, **RECLAIM)  # a clean-up every 10 scans = 1 s
+
+    async def ghost_gone() -> bool:
+        return "ghost" not in {c["name"].decode() for c in await redis_client.xinfo_consumers(stream, GROUP)}
+
+    await wait_until(ghost_gone, 6)
+    assert handle.worker.reclaimer.consumers_removed == 1
