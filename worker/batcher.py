@@ -54,7 +54,8 @@ class Batcher:
     Entries read beyond a full batch are carried over to the next one (they are already
     pending for this consumer, so they must not be dropped). A worker restarted under the same
     consumer name first replays its own pending entries (XREADGROUP from id 0), so the batch
-    it died in is answered without waiting for a reclaim.
+    it died in is answered without waiting for a reclaim; with `replay_history=False` (the
+    Worker's choice) worker/reclaim.py re-delivers them instead, one at a time.
     """
 
     def __init__(

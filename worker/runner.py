@@ -214,14 +214,18 @@ class Worker:
         await self._serve_batch(redis, [suspect.entry])
 
     async def _drain(self, redis: aioredis.Redis) -> ExitCode:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.settings.shutdown_grace_s
         carried = self._batcher.drain_carry() if self._batcher is not None else []
-        if carried and not self.force_exit:
+        if carried and self._inflight:  # one batch at a time, as while serving (memory budget)
+            await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
+        if carried and not self._inflight and not self.force_exit:  # entries read but not yet served
             task = asyncio.create_task(self._serve_batch(redis, carried))
             self._inflight.add(task)
             task.add_done_callback(self._inflight.discard)
         if not self._inflight:
             return ExitCode.OK
-        done, pending = await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
+        done, pending = await asyncio.wait(set(self._inflight), timeout=max(0.0, until - loop.time()))
         if pending or self.force_exit:
             log.warning("grace period over; leaving batches for reclaim", extra={"batches": len(pending)})
             return ExitCode.FORCED
