@@ -22,7 +22,8 @@ async def test_requests_lost_with_redis_data_fail_fast_then_service_resumes(
     await wait_until(live, 10)
     stream = Keys(key_prefix).request_stream("synthetic")
     started = time.monotonic()
-    waiting = asyncio.create_task(gateway.post("/v1/models/synthetic/infer", json={"inputs": [1], "timeout_ms": 20_000}))
+    body = {"inputs": [1], "timeout_ms": 20_000}
+    waiting = asyncio.create_task(gateway.post("/v1/models/synthetic/infer", json=body))
 
     async def in_forward() -> bool:
         return (await redis_client.xpending(stream, GROUP))["pending"] == 1
