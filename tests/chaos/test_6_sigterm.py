@@ -1,6 +1,6 @@
 """Scenario 6: SIGTERM to a worker in the middle of a batch.
 
-1. One worker whose forwards take 2.5 s. A first request keeps it busy while 10 more queue up;
+1. One worker whose forwards take 3 s. A first request keeps it busy while 10 more queue up;
    it then reads the 10 as one batch. When all 10 are pending for it, the test sends SIGTERM.
 
 Result: the worker stops reading, finishes and publishes the batch, acks it, and exits 0 well
@@ -23,7 +23,7 @@ GRACE_S = 5
 
 async def test_sigterm_mid_batch_drains_and_exits_0(chaos_stack, chaos_redis) -> None:
     chaos_stack.settings.update({"shutdown_grace_s": GRACE_S, "models__synthetic__max_batch_size": 10,
-                                 "models__synthetic__params": '{"batch_ms": 2500}'})
+                                 "models__synthetic__params": '{"batch_ms": 3000}'})
     chaos_stack.start_gateway()
     worker = chaos_stack.start_worker()
     await chaos_stack.wait_ready()
@@ -44,7 +44,7 @@ async def test_sigterm_mid_batch_drains_and_exits_0(chaos_stack, chaos_redis) ->
         async def all_queued() -> bool:
             return await chaos_redis.xlen(stream) == 11
 
-        await wait_until(all_queued, 2.0)  # before the first forward ends, so one read takes all 10
+        await wait_until(all_queued, 2.7)  # before the first forward ends, so one read takes all 10
         await wait_until(pending(10), 10)  # the 10 are one batch, running
         worker.send_signal(signal.SIGTERM)
         term_s = time.monotonic()
