@@ -128,9 +128,11 @@ class Reclaimer:
         return bool(self._own) or self._stale_seen
 
     def start(self) -> None:
+        """Start the background scan (every reclaim_interval_ms)."""
         self._scanner.start()
 
     async def stop(self) -> None:
+        """Stop the scan between two rounds (a Redis command is never cancelled mid-flight)."""
         await self._scanner.stop()
 
     async def load_own_pending(self) -> int:

@@ -18,7 +18,7 @@ from shared.keys import GROUP, Keys
 from tests.chaos.load import Load, count_logged
 from tests.helpers import wait_until
 
-GRACE_S = 5
+GRACE_S = 8
 
 
 async def test_sigterm_mid_batch_drains_and_exits_0(chaos_stack, chaos_redis) -> None:
