@@ -76,13 +76,8 @@ class Tally:
         """Print the figures (and append them to test-artifacts/chaos-figures.txt); returns the line."""
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
         more = "".join(f" {k}={v}" for k, v in extra.items())
-        line = (f"[chaos] {scenario}: sent={self.sent} 200={self.ok} errors={{{errors}}} "
-                f"lost={self.lost} duplicates={self.duplicates} wall_s={wall_s:.1f}{more}")
-        print(line)
-        FIGURES.parent.mkdir(exist_ok=True)
-        with FIGURES.open("a") as out:
-            out.write(line + "\n")
-        return line
+        return record_figures(f"[chaos] {scenario}: sent={self.sent} 200={self.ok} errors={{{errors}}} "
+                              f"lost={self.lost} duplicates={self.duplicates} wall_s={wall_s:.1f}{more}")
 
     def assert_exactly_once(self) -> None:
         assert self.lost == 0, [r for r in self.results if r.status is None][:5]
@@ -172,6 +167,15 @@ def _result(value: int, sent: object, sent_s: float, response: httpx.Response) -
     return Result(value, sent_s, answered_s, response.status_code, code=error.get("code"),
                   request_id=error.get("request_id"), retry_after=response.headers.get("retry-after"),
                   message=error.get("message"))
+
+
+def record_figures(line: str) -> str:
+    """Print a scenario's figures and append them to test-artifacts/chaos-figures.txt."""
+    print(line)
+    FIGURES.parent.mkdir(exist_ok=True)
+    with FIGURES.open("a") as out:
+        out.write(line + "\n")
+    return line
 
 
 def count_logged(log_dir: Path, message: str) -> int:
