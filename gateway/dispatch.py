@@ -158,8 +158,8 @@ class Dispatcher:
             self._listener.discard(request_id)
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
-        """Check the bound and XADD in one script (admission.lua above). Raises QueueFullError
-        with a Retry-After from recent throughput, or RedisError."""
+        """Check the bound and XADD in one step (the ADMISSION script above). Raises QueueFullError
+        with a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
         status, value = await self._admission(
             keys=[self._keys.request_stream(model), self._listener.stream],

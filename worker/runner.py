@@ -4,6 +4,9 @@ and publish replies until told to stop. The main loop reads like DESIGN.md's hop
     read_batch (batcher.py) -> decode + drop expired (here) -> run_batch (execute.py)
     -> publish_replies (publish.py)
 
+Entries of dead workers (and of this consumer name's previous life) come back through
+reclaim.py and are served first, one at a time and alone, or dead-lettered (issue 4).
+
 Signals only set flags (uvicorn's pattern): the first SIGTERM/SIGINT stops reading and drains
 the batches in flight; a second one, or `shutdown_grace_s` passing, exits at once and leaves
 un-acked entries pending for another worker to reclaim.
