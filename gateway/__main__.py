@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import sys
+from types import FrameType
 
 import uvicorn
 
-from gateway.app import create_app
+from gateway.app import create_app, drain_requests
 from shared.logs import configure_logging
 from shared.settings import Settings, SettingsError
 
@@ -18,15 +21,42 @@ def main() -> int:
         print(f"vramguard gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, "gateway")
-    uvicorn.run(
-        create_app(settings),
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
         host=settings.host,
         port=settings.port,
         access_log=settings.access_log,
         log_config=None,  # keep our JSON handler
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
     )
+    DrainingServer(config, app).run()
     return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain before its own shutdown (issue 4): the first SIGTERM flips
+    readiness to 503 and lets requests in flight finish (app.drain_requests) while the port
+    still answers, so a load balancer sees "not ready" rather than a refused connection; then
+    uvicorn shuts down as usual. A second signal exits at once (uvicorn's behaviour)."""
+
+    def __init__(self, config: uvicorn.Config, app: object) -> None:
+        super().__init__(config)
+        self._app = app
+        self._drain: asyncio.Task[None] | None = None
+        self._drain_requested = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_requested or sig != signal.SIGTERM:
+            super().handle_exit(sig, frame)
+        self._drain_requested = True
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_requested and self._drain is None:
+            self._drain = asyncio.create_task(drain_requests(self._app))  # type: ignore[arg-type]
+        if self._drain is not None and self._drain.done():
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
 if __name__ == "__main__":

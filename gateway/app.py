@@ -47,6 +47,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.health = health
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = GatewayMetrics(settings, redis, keys, health)
+        app.state.listener = listener
         await listener.start()
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
@@ -54,9 +55,7 @@ def create_app(settings: Settings) -> FastAPI:
             yield
         finally:
             # Reverse order of startup: stop admitting, drain, fail the rest, stop readers, close.
-            health.shutting_down = True
-            await _drain(listener, settings.shutdown_grace_s)
-            listener.fail_all(UnavailableError("the gateway shut down before the reply came"))
+            await drain_requests(app)
             await health.stop()
             await listener.stop()
             await blocking.aclose()
@@ -70,11 +69,19 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
-async def _drain(listener: ReplyListener, grace_s: float) -> None:
+async def drain_requests(app: FastAPI) -> None:
+    """Graceful shutdown, first half (issue 4): readiness and admission answer 503 from now on,
+    requests in flight get up to `shutdown_grace_s` for their reply, the rest fail with 503.
+    Idempotent; gateway/__main__.py calls it on SIGTERM while uvicorn still serves, the lifespan
+    again at exit."""
+    health: Health = app.state.health
+    listener: ReplyListener = app.state.listener
+    health.shutting_down = True
     loop = asyncio.get_running_loop()
-    until = loop.time() + grace_s
+    until = loop.time() + app.state.settings.shutdown_grace_s
     while listener.waiting and loop.time() < until:
         await asyncio.sleep(0.05)
+    listener.fail_all(UnavailableError("the gateway shut down before the reply came"))
 
 
 def _install_error_handlers(app: FastAPI) -> None:

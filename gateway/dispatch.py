@@ -14,8 +14,9 @@ import uuid
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.backpressure import ThroughputMeter, retry_after_s
 from gateway.health import Health
-from gateway.replies import ReplyListener
+from gateway.replies import INIT_FIELD, ReplyListener
 from shared.clock import monotonic_ms, now_ms
 from shared.errors import (
     DeadlineExceededError,
@@ -30,6 +31,24 @@ from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# Admission, atomic (issue 4). KEYS: request stream, this gateway's reply stream. ARGV: queue_bound,
+# entry field, packed request, reply init field, reply maxlen, reply TTL s.
+# - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
+#   bound nothing is added (never trim accepted entries to make room): returns {0, depth}.
+# - A missing reply stream means Redis lost its data; it is recreated here, before the request,
+#   so that workers (XADD NOMKSTREAM) can answer it: returns {2, id}. Otherwise {1, id}.
+ADMISSION = """
+local depth = redis.call('XLEN', KEYS[1])
+if depth >= tonumber(ARGV[1]) then return {0, depth} end
+local status = 1
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[4], '1')
+  redis.call('EXPIRE', KEYS[2], ARGV[6])
+  status = 2
+end
+return {status, redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])}
+"""
 
 
 class Dispatcher:
@@ -49,6 +68,8 @@ class Dispatcher:
         self.submitted = 0
         self.answered = 0
         self.failed = 0
+        self._throughput = {model: ThroughputMeter() for model in settings.served_models}
+        self._admission = redis.register_script(ADMISSION)
 
     def __repr__(self) -> str:
         return f"<Dispatcher submitted={self.submitted} answered={self.answered} failed={self.failed}>"
@@ -104,8 +125,6 @@ class Dispatcher:
         timeout_ms: int,
         started_ms: float,
     ) -> ReplyMessage:
-        stream = self._keys.request_stream(model)
-        config = self._settings.model_config_for(model)
         enqueued_ms = now_ms()
         message = RequestMessage(
             request_id=request_id,
@@ -118,17 +137,50 @@ class Dispatcher:
         )
         future = self._listener.register(request_id)
         try:
-            # Entries are deleted once answered (XACK + XDEL), so XLEN = queued + in flight.
-            depth = await self._redis.xlen(stream)
-            if depth >= config.queue_bound:
-                raise QueueFullError(f"model {model!r} has {depth} entries queued or in flight (bound {config.queue_bound})")
-            await self._redis.xadd(stream, {ENTRY_FIELD: message.encode()})
+            # The admission runs as its own task and is never cancelled (a cancelled redis-py
+            # command can poison its connection): past the deadline we answer 504 and let it end.
+            admission = asyncio.ensure_future(self._admit(model, message))
+            done, _ = await asyncio.wait({admission}, timeout=self._remaining_s(timeout_ms, started_ms))
+            if not done:
+                admission.add_done_callback(_consume_result)
+                raise TimeoutError
+            admission.result()
+            self._listener.mark_enqueued(request_id)
             self.submitted += 1
-            remaining_s = max(0.0, (timeout_ms - (monotonic_ms() - started_ms)) / 1000)
-            return await asyncio.wait_for(future, remaining_s)
+            reply = await asyncio.wait_for(future, self._remaining_s(timeout_ms, started_ms))
+            self._throughput[model].record()
+            return reply
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
             raise UnavailableError(f"Redis is unreachable: {exc}") from exc
         finally:
             self._listener.discard(request_id)
+
+    async def _admit(self, model: str, message: RequestMessage) -> None:
+        """Check the bound and XADD in one step (the ADMISSION script above). Raises QueueFullError
+        with a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
+        config = self._settings.model_config_for(model)
+        status, value = await self._admission(
+            keys=[self._keys.request_stream(model), self._listener.stream],
+            args=[config.queue_bound, ENTRY_FIELD, message.encode(), INIT_FIELD,
+                  self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s],
+        )
+        if status == 0:
+            retry_s = retry_after_s(int(value), self._throughput[model].rate_per_s())
+            raise QueueFullError(
+                f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
+                retry_after_s=retry_s,
+            )
+        if status == 2:
+            log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
+            self._listener.stream_lost(UnavailableError("Redis lost the request (it restarted); retry"))
+
+    @staticmethod
+    def _remaining_s(timeout_ms: int, started_ms: float) -> float:
+        return max(0.0, (timeout_ms - (monotonic_ms() - started_ms)) / 1000)
+
+
+def _consume_result(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not warn; the caller already got its 504

@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from shared.errors import UnavailableError
 from shared.periodic import Periodic
 from shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
 from shared.settings import Settings
@@ -18,6 +19,7 @@ from shared.settings import Settings
 log = logging.getLogger(__name__)
 
 READ_COUNT = 512  # replies taken per XREAD
+INIT_FIELD = b"init"  # field of the entry that creates the reply stream (readers skip it)
 
 
 class ReplyListener:
@@ -39,6 +41,10 @@ class ReplyListener:
         self._keepalive = Periodic("reply-keepalive", self._keep_alive, settings.heartbeat_interval_ms / 1000)
         self._stopping = False
         self.replies_dropped = 0
+        # Issue 4: bumped each time the reply stream is found missing (Redis restarted empty or
+        # flushed); requests enqueued in an older generation were lost with it and fail at once.
+        self.generation = 0
+        self._enqueued: dict[RequestId, int] = {}
 
     def __repr__(self) -> str:
         return f"<ReplyListener {self.stream} waiting={len(self._waiters)} dropped={self.replies_dropped}>"
@@ -56,6 +62,20 @@ class ReplyListener:
     def discard(self, request_id: RequestId) -> None:
         """Forget `request_id` (call in `finally`); a later reply for it is dropped."""
         self._waiters.pop(request_id, None)
+        self._enqueued.pop(request_id, None)
+
+    def mark_enqueued(self, request_id: RequestId) -> None:
+        """Record that `request_id`'s entry is in Redis now, in the current generation."""
+        self._enqueued[request_id] = self.generation
+
+    def stream_lost(self, error: BaseException) -> None:
+        """The reply stream vanished, so Redis lost its data: fail with `error` every request
+        enqueued before now (their entries are gone; they would only time out)."""
+        self.generation += 1
+        for request_id, generation in list(self._enqueued.items()):
+            future = self._waiters.get(request_id)
+            if generation < self.generation and future is not None and not future.done():
+                future.set_exception(error)
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every waiting request with `error` (gateway shutdown past its grace period)."""
@@ -86,7 +106,7 @@ class ReplyListener:
     async def _ensure_stream(self) -> None:
         # An init entry creates the stream so it can carry a TTL; readers skip it (no ENTRY_FIELD).
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.xadd(self.stream, {b"init": b"1"}, maxlen=self._settings.reply_stream_maxlen, approximate=True)
+            pipe.xadd(self.stream, {INIT_FIELD: b"1"}, maxlen=self._settings.reply_stream_maxlen, approximate=True)
             pipe.expire(self.stream, self._settings.reply_stream_ttl_s)
             await pipe.execute()
 
@@ -94,6 +114,7 @@ class ReplyListener:
         try:
             if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
+                self.stream_lost(UnavailableError("Redis lost the request (it restarted); retry"))
                 await self._ensure_stream()
         except RedisError as exc:
             log.warning("reply stream keepalive failed", extra={"error": str(exc)})

@@ -86,6 +86,17 @@ class Settings(BaseSettings):
     fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
     #                                           raises a CUDA error (one-shot, survives the restart it causes)
 
+    # --- delivery guarantees (issue 4) ---
+    # A pending entry idle longer than claim_idle_ms belongs to a dead worker and is reclaimed
+    # (XAUTOCLAIM). Live workers refresh the idle time of the entries they hold every
+    # reclaim_interval_ms, so claim_idle_ms only has to cover a few missed refreshes, not a batch.
+    claim_idle_ms: int = Field(10_000, ge=100)
+    reclaim_interval_ms: int = Field(1000, ge=10)
+    # Deliveries (Redis' delivery_count) an entry may have; the next one sends it to the dead letter.
+    max_deliveries: int = Field(3, ge=1)
+    # A consumer idle this long with no pending entries is a dead worker's; XGROUP DELCONSUMER removes it.
+    consumer_idle_ms: int = Field(600_000, ge=1000)
+
     @field_validator("served_models", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
@@ -114,6 +125,22 @@ class Settings(BaseSettings):
                     for e in exc.errors()
                 )
                 raise ValueError(detail) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_delivery(self) -> Settings:
+        # A live worker refreshes its entries every reclaim_interval_ms and beats every
+        # heartbeat_interval_ms; claim_idle_ms must survive a few missed rounds of both, and the
+        # batch window, during which read entries are not yet refreshed (issue 4).
+        window_ms = max((self.model_config_for(m).max_wait_ms for m in {self.model, *self.models}), default=0.0)
+        floor_ms = 3 * max(self.reclaim_interval_ms, self.heartbeat_interval_ms) + window_ms
+        if self.claim_idle_ms < floor_ms:
+            raise ValueError(
+                f"claim_idle_ms ({self.claim_idle_ms}) must be at least 3 x max(reclaim_interval_ms, "
+                f"heartbeat_interval_ms) + max_wait_ms = {floor_ms:g}"
+            )
+        if self.consumer_idle_ms <= self.claim_idle_ms + self.block_ms:
+            raise ValueError("consumer_idle_ms must exceed claim_idle_ms + block_ms")
         return self
 
     def model_config_for(self, name: str) -> ModelConfig:

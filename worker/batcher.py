@@ -54,7 +54,8 @@ class Batcher:
     Entries read beyond a full batch are carried over to the next one (they are already
     pending for this consumer, so they must not be dropped). A worker restarted under the same
     consumer name first replays its own pending entries (XREADGROUP from id 0), so the batch
-    it died in is answered without waiting for a reclaim.
+    it died in is answered without waiting for a reclaim; with `replay_history=False` (the
+    Worker's choice) worker/reclaim.py re-delivers them instead, one at a time.
     """
 
     def __init__(
@@ -67,6 +68,7 @@ class Batcher:
         max_wait_ms: float,
         block_ms: int,
         clock: Callable[[], float] = monotonic_ms,
+        replay_history: bool = True,
     ) -> None:
         self._redis = redis
         self._stream = stream
@@ -77,7 +79,20 @@ class Batcher:
         self._clock = clock
         self._carry: deque[Entry] = deque()
         self._last_batch_items = 0
-        self._history_id: bytes | None = b"0"  # None once our own pending entries are replayed
+        # None once our own pending entries are replayed. The Worker turns this off and lets
+        # worker/reclaim.py re-deliver them one at a time (a poison among them kills only itself).
+        self._history_id: bytes | None = b"0" if replay_history else None
+
+    @property
+    def carried_ids(self) -> list[EntryId]:
+        """Entries read (so pending for this consumer) but kept for the next batch."""
+        return [entry.entry_id for entry in self._carry]
+
+    def drain_carry(self) -> list[Entry]:
+        """Take the carried-over entries (at shutdown, so that they are served, not left pending)."""
+        entries = list(self._carry)
+        self._carry.clear()
+        return entries
 
     async def read_batch(self) -> list[Entry]:
         """Up to `max_batch_size` items (at least one entry even if it alone is larger), or [] after

@@ -4,6 +4,9 @@ and publish replies until told to stop. The main loop reads like DESIGN.md's hop
     read_batch (batcher.py) -> decode + drop expired (here) -> run_batch (execute.py)
     -> publish_replies (publish.py)
 
+Entries of dead workers (and of this consumer name's previous life) come back through
+reclaim.py and are served first, one at a time and alone, or dead-lettered (issue 4).
+
 Signals only set flags (uvicorn's pattern): the first SIGTERM/SIGINT stops reading and drains
 the batches in flight; a second one, or `shutdown_grace_s` passing, exits at once and leaves
 un-acked entries pending for another worker to reclaim.
@@ -35,6 +38,7 @@ from worker.metrics import WorkerMetrics
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from worker.publish import DeadLetter, Outgoing, publish_replies
 from worker.watchdog import Watchdog
+from worker.reclaim import Reclaimer
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,9 @@ class Worker:
         self.watchdog = Watchdog(settings, backend, self._unhealthy)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
+        self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
+        self._batcher: Batcher | None = None
+        self.reclaimer: Reclaimer | None = None
 
     def __repr__(self) -> str:
         s = self.stats
@@ -104,9 +111,14 @@ class Worker:
             await redis.aclose()
 
     async def _run(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> ExitCode:
+        reclaimer = self.reclaimer = Reclaimer(
+            self.settings, redis, self.stream, self.keys.dead_letter_stream(self.settings.model), self.worker_id,
+            self.held_entries,
+        )
         try:
             await self.ensure_group(redis)
             await asyncio.to_thread(self.warm_up)
+            await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
         except RedisError as exc:
             log.error("cannot reach Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
@@ -124,6 +136,7 @@ class Worker:
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
         heartbeat.start()
+        reclaimer.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device, "settings": self.settings.masked()})
         try:
@@ -131,8 +144,9 @@ class Worker:
             if self.watchdog.unhealthy_reason is not None:
                 return ExitCode.UNHEALTHY  # no drain: never reply from a device we no longer trust
             self.stats.state = "draining"
-            return await self._drain()
+            return await self._drain(redis)
         finally:
+            await reclaimer.stop()
             await heartbeat.stop()
 
     async def ensure_group(self, redis: aioredis.Redis) -> None:
@@ -167,13 +181,26 @@ class Worker:
         batcher = Batcher(
             blocking, self.stream, self.worker_id,
             max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
-            block_ms=self.settings.block_ms,
+            block_ms=self.settings.block_ms, replay_history=False,
         )
+        self._batcher = batcher
         slots = asyncio.Semaphore(self.config.max_inflight_batches)
         backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         failures = read = 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
+            if self.reclaimer is not None and self.reclaimer.has_work:
+                try:
+                    await self._serve_suspect(redis, self.reclaimer)
+                    failures = 0
+                except RedisError as exc:
+                    failures += 1
+                    log.warning("reclaim failed", extra={"error": str(exc), "failures": failures})
+                    await self._recover(redis, exc, backoff.compute(failures))
+                continue
             await slots.acquire()
+            if self.should_exit:  # signalled while waiting for a slot: read nothing more
+                slots.release()
+                break
             if self.budget is not None:  # the adaptive cap (worker/memory.py) bounds what is read
                 batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
             try:
@@ -204,18 +231,49 @@ class Worker:
                 pass
         await asyncio.sleep(delay_s)
 
-    async def _drain(self) -> ExitCode:
+    def held_entries(self) -> list[EntryId]:
+        """Entries this worker holds: batches being served and the batcher's carry-over."""
+        carried = self._batcher.carried_ids if self._batcher is not None else []
+        return [*self._held, *carried]
+
+    async def _serve_suspect(self, redis: aioredis.Redis, reclaimer: Reclaimer) -> None:
+        """Serve one reclaimed entry alone, with no other batch in flight, so that if it is the
+        input that kills workers it takes nothing else with it; past max_deliveries, dead-letter it."""
+        if self._inflight:
+            await asyncio.wait(set(self._inflight))
+        suspect = await reclaimer.claim_one()
+        if suspect is None:
+            return
+        if reclaimer.exhausted(suspect):
+            await reclaimer.dead_letter(suspect, self.settings.reply_stream_maxlen)
+            return
+        await self._serve_batch(redis, [suspect.entry])
+
+    async def _drain(self, redis: aioredis.Redis) -> ExitCode:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.settings.shutdown_grace_s
+        carried = self._batcher.drain_carry() if self._batcher is not None else []
+        if carried and self._inflight:  # one batch at a time, as while serving (memory budget)
+            await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
+        if carried and not self._inflight and not self.force_exit:  # entries read but not yet served
+            task = asyncio.create_task(self._serve_batch(redis, carried))
+            self._inflight.add(task)
+            task.add_done_callback(self._inflight.discard)
         if not self._inflight:
             return ExitCode.OK
-        done, pending = await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
+        done, pending = await asyncio.wait(set(self._inflight), timeout=max(0.0, until - loop.time()))
         if pending or self.force_exit:
             log.warning("grace period over; leaving batches for reclaim", extra={"batches": len(pending)})
             return ExitCode.FORCED
         return ExitCode.OK
 
     async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
-        """Serve one read batch (per-batch bookkeeping wraps `_run_and_publish` here)."""
-        await self._run_and_publish(redis, entries)
+        ids = [e.entry_id for e in entries]
+        self._held.update(ids)
+        try:
+            await self._run_and_publish(redis, entries)
+        finally:
+            self._held.difference_update(ids)
 
     async def _run_and_publish(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,

@@ -57,3 +57,23 @@ def test_served_models_from_comma_separated_env(monkeypatch: pytest.MonkeyPatch)
 
 def test_api_key_is_masked() -> None:
     assert Settings(api_key="s3cret").masked()["api_key"] == "***"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"max_deliveries": 0}, "max_deliveries"),
+        ({"claim_idle_ms": 2000, "reclaim_interval_ms": 1000}, "claim_idle_ms .* must be at least"),
+        ({"claim_idle_ms": 2000, "heartbeat_interval_ms": 1000, "heartbeat_ttl_ms": 3000}, "claim_idle_ms"),
+        ({"claim_idle_ms": 20_000, "consumer_idle_ms": 20_500}, "consumer_idle_ms must exceed"),
+    ],
+)
+def test_delivery_settings_are_checked(values: dict[str, int], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        Settings(**values)  # type: ignore[arg-type]
+
+
+def test_claim_idle_covers_the_batch_window() -> None:
+    Settings(claim_idle_ms=3005, reclaim_interval_ms=1000, model="synthetic")  # 3 x 1000 + 5 ms window
+    with pytest.raises(ValueError, match="claim_idle_ms"):
+        Settings(claim_idle_ms=3004, reclaim_interval_ms=1000, model="synthetic")

@@ -1,0 +1,64 @@
+"""Scenario 4: deadlines shorter than the queue delay.
+
+1. One worker whose forwards take 3 s (batches of up to 128 items). A first request starts a
+   forward; while it runs, 200 requests with timeout_ms=400 queue up behind it.
+2. Then 200 requests with the default deadline.
+
+Result: the 200 short ones all get 504 deadline_exceeded from the gateway at their deadline
+(none later than 400 ms + slack); the worker drops them unrun when it reaches them (its
+`expired` counter grows by 200 and its `forwards` by the first request's only); its late
+deadline_exceeded replies are discarded by the gateway. The next 200 all get 200.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+
+from tests.chaos.load import Load
+from tests.helpers import wait_until
+
+SHORT_MS = 400
+# Latency as the client sees it, with its own queueing of 200 new connections on a shared 2-core
+# machine. Still well under the 3 s forward: a gateway that waited for the worker would fail.
+SLACK_S = 1.5
+
+
+async def worker_counters(url: str) -> dict[str, int]:
+    async with httpx.AsyncClient(base_url=url) as client:
+        (beat,) = (await client.get("/v1/models/synthetic")).json()["workers"].values()
+    return {k: int(beat[k]) for k in ("forwards", "expired", "requests")}
+
+
+async def test_expired_requests_get_504_and_cost_no_forward(chaos_stack) -> None:
+    chaos_stack.settings.update({"models__synthetic__max_batch_size": 128,
+                                 "models__synthetic__params": '{"batch_ms": 3000}'})
+    chaos_stack.start_gateway()
+    chaos_stack.start_worker()
+    await chaos_stack.wait_ready()
+    before = await worker_counters(chaos_stack.url)
+    started = time.monotonic()
+    async with Load(chaos_stack.url, clients=201) as load:
+        blocker = asyncio.ensure_future(load.request())
+        await asyncio.sleep(0.1)  # the worker has taken it: a 3 s forward is running
+        short = await asyncio.gather(*(load.request(timeout_ms=SHORT_MS) for _ in range(200)))
+        assert (await blocker).status == 200
+        normal = await asyncio.gather(*(load.request() for _ in range(200)))
+    load.tally.report("4 deadlines shorter than the queue delay", time.monotonic() - started,
+                      slowest_504_ms=round(max(r.latency_s for r in short) * 1000))
+    load.tally.assert_exactly_once()
+    assert [(r.status, r.code) for r in short] == [(504, "deadline_exceeded")] * 200, {r.message for r in short}
+    assert max(r.latency_s for r in short) < SHORT_MS / 1000 + SLACK_S
+    assert [r.status for r in normal] == [200] * 200
+
+    async def counted() -> bool:
+        now = await worker_counters(chaos_stack.url)
+        return now["requests"] - before["requests"] >= 201 and now["expired"] - before["expired"] >= 200
+
+    await wait_until(counted, 5)
+    after = await worker_counters(chaos_stack.url)
+    assert after["expired"] - before["expired"] == 200
+    # forwards: 1 for the blocker + the normal ones' batches (<= 128 each), none for the expired
+    assert after["forwards"] - before["forwards"] <= 1 + 4

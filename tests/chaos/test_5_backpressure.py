@@ -1,0 +1,60 @@
+"""Scenario 5: a queue bound of 100 under 500 concurrent clients.
+
+1. One worker serves batches of up to 20 items in 100 ms (about 200 items/s); the model's
+   queue_bound is 100.
+2. 500 clients send one request each, all at once; a client refused with 429 waits Retry-After
+   seconds and tries again.
+3. Meanwhile the test samples XLEN (queued + in flight) every 20 ms.
+
+Result: requests past the bound get 429 queue_full with a Retry-After in [1, 60] s, without
+being enqueued (XLEN never exceeds 100); every accepted request gets 200; every client is
+served in the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from shared.keys import Keys
+from tests.chaos.load import Load, Result
+
+BOUND = 100
+CLIENTS = 500
+
+
+async def test_queue_bound_answers_429_with_retry_after(chaos_stack, chaos_redis) -> None:
+    chaos_stack.settings.update({"models__synthetic__queue_bound": BOUND, "models__synthetic__max_batch_size": 20,
+                                 "models__synthetic__params": '{"batch_ms": 100}'})
+    chaos_stack.start_gateway()
+    chaos_stack.start_worker()
+    await chaos_stack.wait_ready()
+    stream = Keys(chaos_stack.settings["key_prefix"]).request_stream("synthetic")
+    depths: list[int] = []
+    started = time.monotonic()
+    async with Load(chaos_stack.url, clients=CLIENTS) as load:
+
+        async def client() -> list[Result]:
+            attempts = [await load.request()]
+            while attempts[-1].status == 429 and len(attempts) < 20:
+                await asyncio.sleep(int(attempts[-1].retry_after or "1"))
+                attempts.append(await load.request())
+            return attempts
+
+        async def sample() -> None:
+            while not clients.done():
+                depths.append(await chaos_redis.xlen(stream))
+                await asyncio.sleep(0.02)
+
+        clients = asyncio.gather(*(client() for _ in range(CLIENTS)))
+        _, per_client = await asyncio.gather(sample(), clients)
+    tally = load.tally
+    refused = [r for r in tally.results if r.status == 429]
+    tally.report("5 queue bound 100, 500 clients", time.monotonic() - started, peak_xlen=max(depths),
+                 retry_after_s=sorted({r.retry_after for r in refused}))
+    tally.assert_exactly_once()
+    assert refused and all(r.code == "queue_full" for r in refused)
+    assert all(r.retry_after is not None and 1 <= int(r.retry_after) <= 60 for r in refused)
+    assert set(tally.errors) == {"429 queue_full"}  # every accepted request succeeded
+    assert all(attempts[-1].status == 200 for attempts in per_client)  # each client served in the end
+    assert max(depths) <= BOUND

@@ -1,0 +1,246 @@
+"""Side path of hop 3: `Reclaimer` turns the pending entries of dead workers into a retry or a
+dead letter, and keeps the entries this worker holds from looking dead.
+
+Redis does the bookkeeping (https://redis.io/docs/latest/develop/data-types/streams/):
+- an entry read with XREADGROUP stays in the group's pending entries list (PEL) until XACK;
+  XPENDING reports, per entry, its consumer, idle time and `delivery_count`;
+- XAUTOCLAIM hands entries idle for at least `min-idle-time` to another consumer, following a
+  cursor, and increments their delivery_count; XCLAIM ... JUSTID resets the idle time without
+  incrementing it (https://redis.io/docs/latest/commands/xautoclaim/, .../xclaim/).
+
+So an entry whose delivery_count is above 1 was held by a worker that died (or that restarted
+under the same name). It is a *suspect*: it may be the input that killed that worker. Suspects are
+claimed and served one at a time, alone, with no other batch in flight, so a poison input kills
+at most itself; innocent entries of its batch are not re-delivered with it. Past
+`max_deliveries` a suspect goes to the model's dead-letter stream, atomically with its ack and
+an error reply to its caller (publish.py). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.errors import ModelError
+from shared.keys import GROUP
+from shared.periodic import Periodic
+from shared.protocol import EntryId, ReplyMessage
+from shared.settings import Settings
+from worker.batcher import Entry, decode_entry
+from worker.publish import DeadLetter, Outgoing, publish_replies
+
+log = logging.getLogger(__name__)
+
+# Reset the idle time of the entries this consumer still owns, and only those: an entry another
+# worker has claimed meanwhile (after a long outage) must not be taken back. Atomic in a script.
+_REFRESH = """
+local n = 0
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    n = n + 1
+  end
+end
+return n
+"""
+
+# Claim (and so re-deliver: delivery_count + 1) ARGV[3] only if this consumer still owns it.
+_CLAIM_OWN = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 1 and p[1][2] == ARGV[2] then
+  return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3])
+end
+return {}
+"""
+
+# Remove consumers idle longer than ARGV[2] ms that have no pending entries (a dead worker's
+# name), never ARGV[3] (ourselves). XGROUP DELCONSUMER destroys a consumer's pending entries, so
+# the check and the delete must be atomic. XINFO CONSUMERS fields: name, pending, idle (6.2+).
+_CLEAN_CONSUMERS = """
+local removed = {}
+for _, c in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local f = {}
+  for i = 1, #c, 2 do f[c[i]] = c[i + 1] end
+  if f['pending'] == 0 and f['idle'] > tonumber(ARGV[2]) and f['name'] ~= ARGV[3] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], f['name'])
+    removed[#removed + 1] = f['name']
+  end
+end
+return removed
+"""
+
+CLEANUP_EVERY = 10  # scans between consumer clean-ups
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    """A claimed entry with the `delivery_count` Redis reports for it after the claim."""
+
+    entry: Entry
+    delivery_count: int
+
+
+class Reclaimer:
+    """Reclaim, refresh and clean up for consumer `worker_id` of the `workers` group on `stream`.
+
+    Every `reclaim_interval_ms` a background scan (1) resets the idle time of the entries
+    `held()` returns, (2) looks for entries idle longer than `claim_idle_ms`, setting
+    `has_work`, and (3) every CLEANUP_EVERY scans removes dead consumers. The serve loop then
+    calls `claim_one` while `has_work` holds. At start, `load_own_pending` queues the entries
+    this consumer name held in a previous life; they are claimed first, one at a time.
+    """
+
+    def __init__(
+        self, settings: Settings, redis: aioredis.Redis, stream: str, dead_letter_stream: str,
+        worker_id: str, held: Callable[[], Iterable[EntryId]],
+    ) -> None:
+        self._settings = settings
+        self._redis = redis
+        self._stream = stream
+        self._dead_letter_stream = dead_letter_stream
+        self._worker_id = worker_id
+        self._held = held
+        self._own: deque[EntryId] = deque()
+        self._cursor = "0-0"
+        self._stale_seen = False
+        self._scans = 0
+        self._refresh = redis.register_script(_REFRESH)
+        self._clean = redis.register_script(_CLEAN_CONSUMERS)
+        self._claim_own = redis.register_script(_CLAIM_OWN)
+        self._scanner = Periodic("reclaim", self.scan, settings.reclaim_interval_ms / 1000)
+        self.claimed = 0
+        self.dead_lettered = 0
+        self.consumers_removed = 0
+
+    def __repr__(self) -> str:
+        return (f"<Reclaimer {self._worker_id} own={len(self._own)} claimed={self.claimed} "
+                f"dead_lettered={self.dead_lettered} consumers_removed={self.consumers_removed}>")
+
+    @property
+    def has_work(self) -> bool:
+        """True while entries of a previous life or of dead workers may wait to be claimed."""
+        return bool(self._own) or self._stale_seen
+
+    def start(self) -> None:
+        """Start the background scan (every reclaim_interval_ms)."""
+        self._scanner.start()
+
+    async def stop(self) -> None:
+        """Stop the scan between two rounds (a Redis command is never cancelled mid-flight)."""
+        await self._scanner.stop()
+
+    async def load_own_pending(self) -> int:
+        """Queue this consumer's pending entries (a restart under a stable name); returns how many.
+
+        Reads XPENDING filtered by consumer. Raises RedisError.
+        """
+        pending = await self._redis.xpending_range(
+            self._stream, GROUP, min="-", max="+", count=10_000, consumername=self._worker_id
+        )
+        self._own.extend(EntryId(_text(p["message_id"])) for p in pending)
+        return len(self._own)
+
+    async def scan(self) -> None:
+        """One background round: refresh held entries, look for stale ones, clean consumers.
+        Never raises for Redis errors (logged; the next round retries)."""
+        try:
+            held = sorted(self._held())
+            if held:
+                await self._refresh(keys=[self._stream], args=[GROUP, self._worker_id, *held])
+            stale = await self._redis.xpending_range(
+                self._stream, GROUP, min="-", max="+", count=1, idle=self._settings.claim_idle_ms
+            )
+            self._stale_seen = self._stale_seen or bool(stale)
+            self._scans += 1
+            if self._scans % CLEANUP_EVERY == 0:
+                await self.remove_dead_consumers()
+        except RedisError as exc:
+            log.warning("reclaim scan failed", extra={"error": str(exc), "worker_id": self._worker_id})
+
+    async def remove_dead_consumers(self) -> list[str]:
+        """XGROUP DELCONSUMER every consumer idle over `consumer_idle_ms` with no pending entries.
+        Returns their names. Raises RedisError."""
+        removed = await self._clean(
+            keys=[self._stream], args=[GROUP, self._settings.consumer_idle_ms, self._worker_id]
+        )
+        names = [_text(n) for n in removed or ()]
+        if names:
+            self.consumers_removed += len(names)
+            log.info("removed dead consumers", extra={"consumers": names, "stream": self._stream})
+        return names
+
+    async def claim_one(self) -> Suspect | None:
+        """Claim one entry: this consumer's own from a previous life first, else one idle longer
+        than `claim_idle_ms` (XAUTOCLAIM COUNT 1, following the cursor). None when nothing is
+        left, which clears `has_work`. Raises RedisError (nothing is lost: the entry stays pending).
+        """
+        while self._own:
+            entry_id = self._own[0]
+            raw = await self._claim_own(keys=[self._stream], args=[GROUP, self._worker_id, entry_id])
+            self._own.popleft()
+            claimed = [(eid, dict(zip(flat[::2], flat[1::2], strict=True)) if flat else None) for eid, flat in raw]
+            suspect = await self._suspect(claimed)
+            if suspect is not None:
+                return suspect
+        while self._stale_seen:
+            reply = await self._redis.xautoclaim(
+                self._stream, GROUP, self._worker_id, self._settings.claim_idle_ms, start_id=self._cursor, count=1
+            )
+            cursor, claimed = reply[0], reply[1]
+            self._cursor = _text(cursor)
+            suspect = await self._suspect(claimed)
+            if suspect is not None:
+                return suspect
+            if self._cursor == "0-0":
+                self._stale_seen = False  # the whole PEL was scanned; the next scan decides again
+        return None
+
+    async def _suspect(self, claimed: list[tuple[bytes, dict[bytes, bytes] | None]]) -> Suspect | None:
+        if not claimed:
+            return None
+        raw_id, fields = claimed[0]
+        entry_id = EntryId(raw_id.decode())
+        if not fields:
+            # Deleted from the stream but still pending (Redis < 7 keeps it in the PEL): nothing to serve.
+            await self._redis.xack(self._stream, GROUP, entry_id)
+            return None
+        self.claimed += 1
+        info = await self._redis.xpending_range(self._stream, GROUP, min=entry_id, max=entry_id, count=1)
+        count = int(info[0]["times_delivered"]) if info else 1
+        log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": count, "worker_id": self._worker_id})
+        return Suspect(decode_entry(raw_id, fields), count)
+
+    def exhausted(self, suspect: Suspect) -> bool:
+        """True when `suspect` has used up `max_deliveries` and must not run again."""
+        return suspect.delivery_count > self._settings.max_deliveries
+
+    async def dead_letter(self, suspect: Suspect, reply_maxlen: int) -> None:
+        """Move `suspect` to the dead-letter stream, ack and delete it, and send its caller a
+        model_error reply, in one MULTI (publish.py). Raises RedisError (it then stays pending)."""
+        entry = suspect.entry
+        deliveries = suspect.delivery_count - 1
+        reason = (f"the request was delivered {deliveries} times and each time the worker running it died; "
+                  f"moved to the dead-letter stream (max_deliveries={self._settings.max_deliveries})")
+        replies = []
+        if entry.message is not None:
+            reply = ReplyMessage.failure(entry.message.request_id, ModelError.code, reason, worker_id=self._worker_id)
+            replies.append(Outgoing(entry.message.reply_to, reply))
+        await publish_replies(
+            self._redis, request_stream=self._stream, dead_letter_stream=self._dead_letter_stream,
+            replies=replies, entry_ids=[entry.entry_id],
+            dead_letters=[DeadLetter(entry.entry_id, entry.fields, reason)], reply_maxlen=reply_maxlen,
+        )
+        self.dead_lettered += 1
+        log.error("entry dead-lettered", extra={"entry_id": entry.entry_id, "delivery_count": suspect.delivery_count,
+                                                "request_id": entry.message.request_id if entry.message else None})
+
+
+def _text(value: object) -> str:
+    """A Redis reply value (bytes with decode_responses=False) as str."""
+    return value.decode() if isinstance(value, bytes) else str(value)
