@@ -194,7 +194,8 @@ class Worker:
                                           "batch_size": len(items), "requests": len(live),
                                           "duration_ms": round(monotonic_ms() - started, 2)})
         errors = sum(1 for o in outgoing if not o.reply.ok)
-        self.stats.record_batch(len(items), len(live), forwards, errors)
+        queue_delay_ms = sum(batch_start_ms - entry.message.enqueued_ms for entry, _ in live if entry.message)
+        self.stats.record_batch(len(items), len(live), forwards, errors, queue_delay_ms)
         try:
             await publish_replies(
                 redis, request_stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
