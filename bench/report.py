@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 ANALYSIS_MD = ROOT / "bench" / "ANALYSIS.md"
 DEFAULT_OUT = ROOT / "bench" / "results"
+README_MD = ROOT / "README.md"
+README_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
 Record = dict[str, object]
 SERVING_HEADERS = ["configuration", "conc.", "req/s", "% of limit", "p50 ms", "p95 ms", "p99 ms", "max ms",
                    "mean batch", "queue delay ms", "peak RSS MiB", "requests", "errors"]
@@ -114,7 +116,27 @@ def write_report(out_dir: Path) -> Path:
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
+    if results_md == RESULTS_MD:
+        update_readme(groups, fig)
     return results_md
+
+
+def update_readme(groups: dict[str, list[Record]], fig: Figures, readme: Path = README_MD) -> bool:
+    """Replace the block between README_MARKERS in README.md with this run's targets table, so the
+    README's headline figures always match RESULTS.md. Returns False (and changes nothing) when
+    the markers are missing."""
+    start, end = README_MARKERS
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return False
+    meta = (groups.get("meta") or [{}])[0]
+    note = f" {meta['note']}" if meta.get("note") else ""
+    run = f"{meta.get('date')} (commit {meta.get('commit')}, {meta.get('machine')})"
+    targets = table(["target", "measured", "verdict"], target_rows(fig))
+    block = f"{start}\nFrom the run of {run}.{note}\n\n{targets}\n{end}"
+    head, rest = text.split(start, 1)
+    readme.write_text(head + block + rest.split(end, 1)[1])
+    return True
 
 
 def _header(groups: dict[str, list[Record]], out_dir: Path, results_md: Path) -> str:
