@@ -27,7 +27,7 @@ README_MD = ROOT / "README.md"
 README_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
 Record = dict[str, object]
 SERVING_HEADERS = ["configuration", "conc.", "req/s", "% of limit", "p50 ms", "p95 ms", "p99 ms", "max ms",
-                   "mean batch", "queue delay ms", "peak RSS MiB", "requests", "errors"]
+                   "mean batch", "queue delay ms", "peak RSS MiB", "device MiB (heartbeat)", "requests", "errors"]
 
 
 def meta_record(cfg: object, note: str) -> Record:
@@ -66,11 +66,15 @@ def serving_rows(records: list[Record], ceiling: float | None) -> list[list[obje
     def pct(r: Record) -> str | None:
         return f"{100 * float(r['items_per_s']) / ceiling:.0f}%" if ceiling else None  # type: ignore[arg-type]
 
+    def device(r: Record) -> str | None:
+        memory = dict(r.get("device_memory") or {})  # type: ignore[call-overload]
+        return ", ".join(f"{k.removesuffix('_mib')} {v}" for k, v in memory.items()) or None
+
     def errors(r: Record) -> str:
         return ", ".join(f"{k}: {v}" for k, v in dict(r.get("errors") or {}).items()) or "0"  # type: ignore[call-overload]
 
     return [[r.get("config"), r["concurrency"], r["rps"], pct(r), r["p50_ms"], r["p95_ms"], r["p99_ms"], r["max_ms"],
-             r.get("mean_batch"), r.get("queue_delay_ms"), r["peak_rss_mb"], r["requests"], errors(r)]
+             r.get("mean_batch"), r.get("queue_delay_ms"), r["peak_rss_mb"], device(r), r["requests"], errors(r)]
             for r in records]
 
 
@@ -154,7 +158,9 @@ def _header(groups: dict[str, list[Record]], out_dir: Path, results_md: Path) ->
             f"- each point: {cfg.get('warmup_s')} s warm-up, then {cfg.get('duration_s')} s measured; closed-loop "
             f"clients, one sentence per request from `bench/corpus.txt`; torch threads: {cfg.get('torch_threads')} "
             f"for one model process, split evenly when two share the cores\n- peak RSS is the CPU stand-in for peak "
-            f"GPU memory: VmHWM summed over all the server's processes (vramguard: Redis + gateway + workers)\n\n"
+            f"GPU memory: VmHWM summed over all the server's processes (vramguard: Redis + gateway + workers); "
+            f"'device MiB' sums the workers' heartbeat `*_bytes` fields when they publish any (GPU or simulated "
+            f"device), else shows a dash\n\n"
             f"![throughput and p95 against concurrency]({plot_rel})")
 
 

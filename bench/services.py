@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from bench.stats import sum_counters
+from bench.stats import device_memory_mib, sum_counters
 from tests.helpers import ROOT, RedisServer, Stack, free_port
 
 READY_TIMEOUT_S = 240.0  # torch import + weights on 2 busy cores
@@ -113,6 +113,10 @@ class VramguardService:
         """The workers' summed heartbeat counters (batches, items, requests, queue_delay_ms_sum)."""
         return sum_counters(self.heartbeats())
 
+    def device_memory(self) -> dict[str, float]:
+        """The workers' device-memory heartbeat fields, summed (see stats.device_memory_mib)."""
+        return device_memory_mib(self.heartbeats())
+
     def pids(self) -> list[int]:
         assert self.stack is not None and self.redis is not None and self.redis.proc is not None
         procs = [*self.stack.workers, self.stack.gateway, self.redis.proc]
@@ -161,6 +165,9 @@ class ProcessService:
 
     def counters(self) -> dict[str, float] | None:
         return None
+
+    def device_memory(self) -> dict[str, float]:
+        return {}
 
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc is not None else []

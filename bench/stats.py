@@ -55,3 +55,20 @@ def worker_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         "mean_batch": round(mean_batch, 2) if mean_batch is not None else None,
         "queue_delay_ms": round(queue_delay, 2) if queue_delay is not None else None,
     }
+
+
+def device_memory_mib(workers: dict[str, dict[str, str]]) -> dict[str, float]:
+    """Every numeric `*_bytes` field of the workers' heartbeats (device memory allocated, reserved,
+    peak... as the memory-budget code publishes them), summed over workers, in MiB. Empty when
+    the workers publish none (then RSS is the only memory figure)."""
+    totals: dict[str, float] = {}
+    for beat in workers.values():
+        for name, value in beat.items():
+            if not name.endswith("_bytes"):
+                continue
+            key = name.removesuffix("_bytes") + "_mib"
+            try:
+                totals[key] = totals.get(key, 0.0) + float(value) / 2**20
+            except ValueError:
+                continue
+    return {k: round(v, 1) for k, v in sorted(totals.items())}

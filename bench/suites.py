@@ -57,6 +57,7 @@ class Service(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def counters(self) -> dict[str, float] | None: ...
+    def device_memory(self) -> dict[str, float]: ...
     def pids(self) -> list[int]: ...
 
 
@@ -74,6 +75,9 @@ def measure(service: Service, cfg: BenchConfig, concurrency: int, **tags: object
         assert after is not None
         record.update(worker_view(before, after))
     record["peak_rss_mb"] = round(peak_rss_bytes(service.pids()) / 2**20, 1)
+    device = service.device_memory()
+    if device:
+        record["device_memory"] = device  # heartbeat *_bytes fields in MiB, when workers publish them
     return record
 
 
