@@ -180,9 +180,22 @@ def _limits(groups: dict[str, list[Record]], fig: Figures) -> str:
             + table(["torch threads", "batch size", "items/s", "p50 ms per batch", "mean ms per batch", "forwards"],
                     physical)
             + f"\n\n**The load client's own ceiling** against a trivial endpoint (bare ASGI app on uvicorn, same "
-            f"machine, so this is client + server sharing the cores): **{fig.client_ceiling_rps} req/s**. Every "
-            f"serving figure below is far under it, so the client is not what limits them.\n\n"
+            f"machine, so this is client + server sharing the cores): **{fig.client_ceiling_rps} req/s**. "
+            f"{_client_verdict(groups, fig)}\n\n"
             + table(["concurrency", "req/s", "p50 ms", "p99 ms", "requests"], client))
+
+
+def _client_verdict(groups: dict[str, list[Record]], fig: Figures) -> str:
+    """Whether the serving figures could be the client's limit rather than the server's."""
+    rates = {str(r.get("config")): float(r["rps"]) for suite in ("strategies", "peer", "scale")  # type: ignore[arg-type]
+             for r in groups.get(suite, [])}
+    if not rates or not fig.client_ceiling_rps:
+        return ""
+    top = max(rates, key=rates.__getitem__)
+    if rates[top] < 0.5 * fig.client_ceiling_rps:
+        return "Every serving figure below is under half of it, so the client is not what limits them."
+    return (f"The highest serving figure ({top}: {rates[top]:.0f} req/s) comes within 2x of it: read that one as a "
+            "lower bound, limited by the client sharing the cores as much as by the server.")
 
 
 def _strategies(groups: dict[str, list[Record]], fig: Figures) -> str:
