@@ -24,6 +24,8 @@ RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 ANALYSIS_MD = ROOT / "bench" / "ANALYSIS.md"
 DEFAULT_OUT = ROOT / "bench" / "results"
 README_MD = ROOT / "README.md"
+# What a run rewrites itself does not make the measured code "edited".
+UNTRACKED_OUTPUTS = ("status", "--porcelain", "--", ".", ":!bench/results", ":!bench/RESULTS.md", ":!README.md")
 README_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
 Record = dict[str, object]
 SERVING_HEADERS = ["configuration", "conc.", "req/s", "% of limit", "p50 ms", "p95 ms", "p99 ms", "max ms",
@@ -38,7 +40,7 @@ def meta_record(cfg: object, note: str) -> Record:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     return {"suite": "meta", "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": git("rev-parse", "--short", "HEAD") + (" + local edits" if git("status", "--porcelain") else ""),
+            "commit": git("rev-parse", "--short", "HEAD") + (" + local edits" if git(*UNTRACKED_OUTPUTS) else ""),
             "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu})",
             "python": platform.python_version(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
             "note": note, "config": {k: str(v) for k, v in vars(cfg).items() if k != "out_dir"}}
