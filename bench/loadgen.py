@@ -76,7 +76,7 @@ async def _client_loop(
 
 async def _progress(clock: _Clock, run: PointRun, label: str, total_s: float, enabled: bool) -> None:
     with tqdm(total=round(total_s, 1), desc=label, unit="s", leave=False, disable=not enabled,
-              bar_format="{desc} {bar} {n:.0f}/{total:.0f}s {postfix}") as bar:
+              bar_format="{desc} {bar} {n:.0f}/{total:.0f}s{postfix}") as bar:
         while True:
             elapsed = min(clock.now() - clock.t0, total_s)
             bar.n = round(elapsed, 1)
