@@ -7,6 +7,8 @@ TORCH_VERSION ?= 2.13.0
 MODEL ?= minilm
 WORKERS ?= 1
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
+PEER_VENV := bench/.venv-peer
 
 .PHONY: up test test-fast lint bench clean help
 
@@ -14,7 +16,7 @@ help:
 	@echo "make up [MODEL=minilm|synthetic] [WORKERS=N]   start Redis, gateway and workers (foreground)"
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
-	@echo "make bench                                     reproduce bench/RESULTS.md"
+	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~15 min on 2 cores)"
 	@echo "make lint                                      ruff and mypy --strict"
 
 $(BIN)/python:
@@ -35,10 +37,24 @@ test: $(VENV)/.installed
 test-fast: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
+# The bench extra goes into .venv; LitServe gets a venv of its own (bench/peer-requirements.txt).
+$(VENV)/.bench-installed: pyproject.toml | $(VENV)/.installed
+	$(BIN)/pip install --quiet -e ".[worker,redis,test,bench]"
+	touch $@
+
+$(PEER_VENV)/.installed: bench/peer-requirements.txt
+	$(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(PEER_VENV)/bin/pip install --quiet -r bench/peer-requirements.txt
+	touch $@
+
+bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench all $(BENCH_ARGS)
+
 lint: $(VENV)/.installed
 	$(BIN)/pip install --quiet ruff mypy
-	$(BIN)/ruff check shared gateway worker tests deploy
+	$(BIN)/ruff check shared gateway worker tests deploy bench
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .run .pytest_cache test-artifacts
+	rm -rf $(VENV) $(PEER_VENV) .run .pytest_cache test-artifacts

@@ -35,9 +35,11 @@ class WorkerStats:
     last_batch_size: int = 0
     max_batch_seen: int = 0
     expired: int = 0
+    queue_delay_ms_sum: float = 0.0  # summed over requests served: mean = queue_delay_ms_sum / requests
 
-    def record_batch(self, items: int, requests: int, forwards: int, errors: int) -> None:
+    def record_batch(self, items: int, requests: int, forwards: int, errors: int, queue_delay_ms: float = 0.0) -> None:
         self.batches += 1
+        self.queue_delay_ms_sum += queue_delay_ms
         self.items += items
         self.requests += requests
         self.forwards += forwards

@@ -337,7 +337,8 @@ class Worker:
                                       "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
                                       "oom_events": stats.oom_events, "queue_delay_ms": max(delays_ms, default=0.0),
                                       "duration_ms": round(duration_ms, 2)})
-        self.stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok))
+        self.stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
+                                sum(delays_ms))
         await self._publish(redis, outgoing, [e.entry_id for e, _items in group], [])
         return True
 

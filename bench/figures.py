@@ -1,0 +1,129 @@
+"""The headline figures computed from the records of one run: the physical limit, the client's
+ceiling, the A/B ratios against LitServe, scale, overhead at concurrency 1, and the issue's
+targets checked against them (all as ratios within the same run)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+Record = dict[str, object]
+PEER_CONCURRENCY = 64
+
+
+@dataclass(frozen=True)
+class PeerFigures:
+    """vramguard vs LitServe at one concurrency, over A/B pairs: per-pair ratios and medians."""
+
+    concurrency: int
+    rps_ratios: list[float]  # ours / theirs, one per pair
+    p99_ratios: list[float]  # ours / theirs (below 1 is better)
+    ours_rps: float  # medians over the pairs
+    theirs_rps: float
+    ours_p95: float
+    theirs_p95: float
+    ours_p99: float
+    theirs_p99: float
+
+
+@dataclass
+class Figures:
+    """Everything RESULTS.md quotes beyond the raw tables; None where a suite did not run."""
+
+    ceiling_items_s: float | None = None
+    ceiling_batch: int | None = None
+    ceiling_threads: int | None = None
+    batch1_p50_ms: float | None = None
+    client_ceiling_rps: float | None = None
+    peer: PeerFigures | None = None
+    scale_rps: dict[int, float] = field(default_factory=dict)
+    gateway_ceiling_rps: float | None = None
+    c1_p50_ms: dict[str, float] = field(default_factory=dict)  # strategy config -> p50 at concurrency 1
+
+
+def spread(values: list[float]) -> str:
+    """'min / median / max' of `values`, 2 decimals."""
+    lo, mid, hi = np.min(values), np.median(values), np.max(values)
+    return f"{lo:.2f} / {mid:.2f} / {hi:.2f}"
+
+
+def peer_figures(records: list[Record]) -> PeerFigures | None:
+    """Pair the peer suite's records by `pair` (vramguard, litserve); None without a full pair."""
+    pairs: dict[int, dict[str, Record]] = {}
+    for r in records:
+        pairs.setdefault(int(r["pair"]), {})[str(r["config"])] = r  # type: ignore[call-overload]
+    full = [p for p in pairs.values() if {"vramguard", "litserve"} <= p.keys()]
+    if not full:
+        return None
+
+    def med(config: str, key: str) -> float:
+        return float(np.median([float(p[config][key]) for p in full]))  # type: ignore[arg-type]
+
+    return PeerFigures(
+        concurrency=int(full[0]["vramguard"]["concurrency"]),  # type: ignore[call-overload]
+        rps_ratios=[float(p["vramguard"]["rps"]) / max(float(p["litserve"]["rps"]), 1e-9) for p in full],  # type: ignore[arg-type]
+        p99_ratios=[float(p["vramguard"]["p99_ms"]) / max(float(p["litserve"]["p99_ms"]), 1e-9) for p in full],  # type: ignore[arg-type]
+        ours_rps=med("vramguard", "rps"), theirs_rps=med("litserve", "rps"),
+        ours_p95=med("vramguard", "p95_ms"), theirs_p95=med("litserve", "p95_ms"),
+        ours_p99=med("vramguard", "p99_ms"), theirs_p99=med("litserve", "p99_ms"),
+    )
+
+
+def summary_figures(groups: dict[str, list[Record]]) -> Figures:
+    """Compute the Figures from records grouped by suite."""
+    fig = Figures()
+    physical = groups.get("physical", [])
+    if physical:
+        best = max(physical, key=lambda r: float(r["items_per_s"]))  # type: ignore[arg-type]
+        fig.ceiling_items_s, fig.ceiling_batch = float(best["items_per_s"]), int(best["batch_size"])  # type: ignore[arg-type, call-overload]
+        fig.ceiling_threads = int(best["torch_threads"])  # type: ignore[call-overload]
+        ones = [float(r["batch_p50_ms"]) for r in physical if r["batch_size"] == 1]  # type: ignore[arg-type]
+        fig.batch1_p50_ms = min(ones) if ones else None  # the model's best batch-1 latency, any thread count
+    client = [float(r["rps"]) for r in groups.get("ceiling", [])]  # type: ignore[arg-type]
+    fig.client_ceiling_rps = max(client) if client else None
+    fig.peer = peer_figures(groups.get("peer", []))
+    for r in groups.get("scale", []):
+        if "workers" in r:
+            fig.scale_rps[int(r["workers"])] = float(r["rps"])  # type: ignore[call-overload, arg-type]
+        else:
+            fig.gateway_ceiling_rps = max(fig.gateway_ceiling_rps or 0.0, float(r["rps"]))  # type: ignore[arg-type]
+    for r in groups.get("strategies", []):
+        if r["concurrency"] == 1:
+            fig.c1_p50_ms[str(r["config"])] = float(r["p50_ms"])  # type: ignore[arg-type]
+    return fig
+
+
+def _verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else ("**met**" if ok else "**missed**")
+
+
+def target_rows(fig: Figures) -> list[list[object]]:
+    """[target, measured, verdict] rows for the issue's targets."""
+    rows: list[list[object]] = []
+    peer = fig.peer
+    if peer is not None:
+        med_ratio = float(np.median(peer.rps_ratios))
+        rows.append(["throughput at c=64 >= 1.25x LitServe",
+                     f"{med_ratio:.2f}x (min/med/max {spread(peer.rps_ratios)})", _verdict(med_ratio >= 1.25)])
+        if fig.ceiling_items_s:
+            frac = peer.ours_rps / fig.ceiling_items_s
+            rows.append(["throughput at c=64 >= 80% of the model's own limit",
+                         f"{100 * frac:.0f}% ({peer.ours_rps:.1f} of {fig.ceiling_items_s:.1f} items/s)",
+                         _verdict(frac >= 0.8)])
+        med_p99 = float(np.median(peer.p99_ratios))
+        rows.append(["p99 at c=64 no worse than LitServe's",
+                     f"{med_p99:.2f}x LitServe's (min/med/max {spread(peer.p99_ratios)}); "
+                     f"{peer.ours_p99:.0f} vs {peer.theirs_p99:.0f} ms", _verdict(med_p99 <= 1.0)])
+    dynamic = next((v for k, v in fig.c1_p50_ms.items() if k.startswith("dynamic")), None)
+    if dynamic is not None and fig.batch1_p50_ms is not None:
+        overhead = dynamic - fig.batch1_p50_ms
+        rows.append(["p50 at c=1 within 3 ms of the model's batch-1 latency",
+                     f"+{overhead:.1f} ms ({dynamic:.1f} vs {fig.batch1_p50_ms:.1f} ms)", _verdict(overhead <= 3.0)])
+    if 1 in fig.scale_rps and 8 in fig.scale_rps:
+        ratio = fig.scale_rps[8] / max(fig.scale_rps[1], 1e-9)
+        capped = min(7.0, (fig.gateway_ceiling_rps or float("inf")) / max(fig.scale_rps[1], 1e-9))
+        rows.append(["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)",
+                     f"{ratio:.2f}x ({fig.scale_rps[8]:.0f} vs {fig.scale_rps[1]:.0f} req/s; "
+                     f"gateway ceiling {fig.gateway_ceiling_rps or 0:.0f} req/s)", _verdict(ratio >= capped)])
+    return rows

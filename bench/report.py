@@ -1,0 +1,244 @@
+"""Turn results.jsonl into bench/RESULTS.md (tables, ratios, the targets) and
+bench/results/plot.png (throughput and p95 against concurrency, one line per configuration).
+bench/ANALYSIS.md, written by hand, is appended to RESULTS.md as it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from collections import defaultdict
+from datetime import UTC, datetime
+from pathlib import Path
+
+import matplotlib
+
+from bench.figures import Figures, PeerFigures, spread, summary_figures, target_rows
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS_MD = ROOT / "bench" / "RESULTS.md"
+ANALYSIS_MD = ROOT / "bench" / "ANALYSIS.md"
+DEFAULT_OUT = ROOT / "bench" / "results"
+README_MD = ROOT / "README.md"
+# What a run rewrites itself does not make the measured code "edited".
+UNTRACKED_OUTPUTS = ("status", "--porcelain", "--", ".", ":!bench/results", ":!bench/RESULTS.md", ":!README.md")
+README_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
+Record = dict[str, object]
+SERVING_HEADERS = ["configuration", "conc.", "req/s", "% of limit", "p50 ms", "p95 ms", "p99 ms", "max ms",
+                   "mean batch", "queue delay ms", "peak RSS MiB", "device MiB (heartbeat)", "requests", "errors"]
+
+
+def meta_record(cfg: object, note: str) -> Record:
+    """Machine, date, commit, load average and settings of this run."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    return {"suite": "meta", "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "commit": git("rev-parse", "--short", "HEAD") + (" + local edits" if git(*UNTRACKED_OUTPUTS) else ""),
+            "machine": f"{platform.system()} {platform.machine()}, {os.cpu_count()} CPUs ({cpu})",
+            "python": platform.python_version(), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+            "note": note, "config": {k: str(v) for k, v in vars(cfg).items() if k != "out_dir"}}
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A markdown table; None prints as an em dash."""
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join("—" if v is None else str(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def load_records(out_dir: Path) -> dict[str, list[Record]]:
+    """results.jsonl grouped by suite."""
+    grouped: dict[str, list[Record]] = defaultdict(list)
+    for line in (out_dir / "results.jsonl").read_text().splitlines():
+        if line.strip():
+            record = json.loads(line)
+            grouped[str(record["suite"])].append(record)
+    return grouped
+
+
+def serving_rows(records: list[Record], ceiling: float | None) -> list[list[object]]:
+    """One SERVING_HEADERS row per load point; '% of limit' is items/s over the physical limit."""
+    def pct(r: Record) -> str | None:
+        return f"{100 * float(r['items_per_s']) / ceiling:.0f}%" if ceiling else None  # type: ignore[arg-type]
+
+    def device(r: Record) -> str | None:
+        memory = dict(r.get("device_memory") or {})  # type: ignore[call-overload]
+        return ", ".join(f"{k.removesuffix('_mib')} {v}" for k, v in memory.items()) or None
+
+    def errors(r: Record) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in dict(r.get("errors") or {}).items()) or "0"  # type: ignore[call-overload]
+
+    return [[r.get("config"), r["concurrency"], r["rps"], pct(r), r["p50_ms"], r["p95_ms"], r["p99_ms"], r["max_ms"],
+             r.get("mean_batch"), r.get("queue_delay_ms"), r["peak_rss_mb"], device(r), r["requests"], errors(r)]
+            for r in records]
+
+
+def plot(groups: dict[str, list[Record]], ceiling: float | None, peer: PeerFigures | None, path: Path) -> None:
+    """Throughput (req/s) and p95 (ms, log scale) against concurrency, one line per configuration."""
+    fig, (ax_rps, ax_p95) = plt.subplots(1, 2, figsize=(13, 5))
+    by_config: dict[str, list[Record]] = defaultdict(list)
+    for record in groups.get("strategies", []):
+        by_config[str(record["config"])].append(record)
+    for config, records in by_config.items():
+        conc = [r["concurrency"] for r in records]
+        ax_rps.plot(conc, [r["rps"] for r in records], marker="o", label=config)
+        ax_p95.plot(conc, [r["p95_ms"] for r in records], marker="o", label=config)
+    if ceiling:
+        ax_rps.axhline(ceiling, color="grey", linestyle="--", label=f"model's own limit ({ceiling:.0f} items/s)")
+    if peer is not None:
+        for name, rps, p95, marker, color in (("vramguard", peer.ours_rps, peer.ours_p95, "*", "black"),
+                                              ("LitServe", peer.theirs_rps, peer.theirs_p95, "X", "red")):
+            ax_rps.scatter([peer.concurrency], [rps], marker=marker, color=color, s=150, zorder=5,
+                           label=f"{name}, batch 32 (A/B median)")
+            ax_p95.scatter([peer.concurrency], [p95], marker=marker, color=color, s=150, zorder=5)
+    ax_rps.set(xlabel="concurrency (closed-loop clients)", ylabel="req/s (1 sentence each)", title="minilm throughput")
+    ax_p95.set(xlabel="concurrency (closed-loop clients)", ylabel="p95 latency (ms)", yscale="log",
+               title="minilm p95 latency")
+    for ax in (ax_rps, ax_p95):
+        ax.set_xscale("log")
+        ax.grid(True, alpha=0.3)
+    ax_rps.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write_report(out_dir: Path) -> Path:
+    """Write RESULTS.md and out_dir/plot.png from out_dir/results.jsonl; returns RESULTS.md's path:
+    bench/RESULTS.md for the default results folder, else RESULTS.md inside `out_dir`."""
+    groups = load_records(out_dir)
+    results_md = RESULTS_MD if out_dir.resolve() == DEFAULT_OUT.resolve() else out_dir / "RESULTS.md"
+    fig = summary_figures(groups)
+    plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
+    parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
+             _peer(groups, fig), _scale(groups, fig)]
+    if ANALYSIS_MD.exists():
+        parts.append(ANALYSIS_MD.read_text().strip())
+    results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
+    if results_md == RESULTS_MD:
+        update_readme(groups, fig)
+    return results_md
+
+
+def update_readme(groups: dict[str, list[Record]], fig: Figures, readme: Path = README_MD) -> bool:
+    """Replace the block between README_MARKERS in README.md with this run's targets table, so the
+    README's headline figures always match RESULTS.md. Returns False (and changes nothing) when
+    the markers are missing."""
+    start, end = README_MARKERS
+    text = readme.read_text()
+    if start not in text or end not in text:
+        return False
+    meta = (groups.get("meta") or [{}])[0]
+    note = f" {meta['note']}" if meta.get("note") else ""
+    run = f"{meta.get('date')} (commit {meta.get('commit')}, {meta.get('machine')})"
+    targets = table(["target", "measured", "verdict"], target_rows(fig))
+    block = f"{start}\nFrom the run of {run}.{note}\n\n{targets}\n{end}"
+    head, rest = text.split(start, 1)
+    readme.write_text(head + block + rest.split(end, 1)[1])
+    return True
+
+
+def _header(groups: dict[str, list[Record]], out_dir: Path, results_md: Path) -> str:
+    meta = (groups.get("meta") or [{}])[0]
+    wall = (groups.get("wall") or [{}])[0].get("wall_s")
+    cfg = meta.get("config", {})
+    assert isinstance(cfg, dict)
+    note = f"\n> **{meta['note']}**\n" if meta.get("note") else ""
+    plot_rel = os.path.relpath(out_dir / "plot.png", results_md.parent)
+    return (f"# vramguard benchmark results\n{note}\n"
+            f"Reproduce with `make bench` (`python -m bench all`; wall time of this run: {wall} s). Generated by "
+            f"`bench/report.py` from `{os.path.relpath(out_dir / 'results.jsonl', ROOT)}`.\n\n"
+            f"- date: {meta.get('date')}; commit: {meta.get('commit')}\n- machine: {meta.get('machine')}; "
+            f"Python {meta.get('python')}; load average at start: {meta.get('loadavg_at_start')}\n"
+            f"- each point: {cfg.get('warmup_s')} s warm-up, then {cfg.get('duration_s')} s measured; closed-loop "
+            f"clients, one sentence per request from `bench/corpus.txt`; torch threads: {cfg.get('torch_threads')} "
+            f"for one model process, split evenly when two share the cores\n- peak RSS is the CPU stand-in for peak "
+            f"GPU memory: VmHWM summed over all the server's processes (vramguard: Redis + gateway + workers); "
+            f"'device MiB' sums the workers' heartbeat `*_bytes` fields when they publish any (GPU or simulated "
+            f"device), else shows a dash\n\n"
+            f"![throughput and p95 against concurrency]({plot_rel})")
+
+
+def _targets(fig: Figures) -> str:
+    rows = target_rows(fig)
+    return "## Targets (ratios within this run)\n\n" + table(["target", "measured", "verdict"], rows) if rows else ""
+
+
+def _limits(groups: dict[str, list[Record]], fig: Figures) -> str:
+    physical = [[r["torch_threads"], r["batch_size"], r["items_per_s"], r["batch_p50_ms"], r["batch_mean_ms"],
+                 r["forwards"]] for r in groups.get("physical", [])]
+    client = [[r["concurrency"], r["rps"], r["p50_ms"], r["p99_ms"], r["requests"]] for r in groups.get("ceiling", [])]
+    return (f"## The limits\n\n**The model's own limit** (one process, `collate` + `forward` of "
+            f"worker/models/minilm.py in a tight loop over the whole corpus, preprocessing included): "
+            f"**{fig.ceiling_items_s} items/s** (batch {fig.ceiling_batch}, {fig.ceiling_threads} torch threads, the "
+            f"best of all rows); batch-1 latency p50 **{fig.batch1_p50_ms} ms** (the best thread count).\n\n"
+            + table(["torch threads", "batch size", "items/s", "p50 ms per batch", "mean ms per batch", "forwards"],
+                    physical)
+            + f"\n\n**The load client's own ceiling** against a trivial endpoint (bare ASGI app on uvicorn, same "
+            f"machine, so this is client + server sharing the cores): **{fig.client_ceiling_rps} req/s**. "
+            f"{_client_verdict(groups, fig)}\n\n"
+            + table(["concurrency", "req/s", "p50 ms", "p99 ms", "requests"], client))
+
+
+def _client_verdict(groups: dict[str, list[Record]], fig: Figures) -> str:
+    """Whether the serving figures could be the client's limit rather than the server's."""
+    rates = {str(r.get("config")): float(r["rps"]) for suite in ("strategies", "peer", "scale")  # type: ignore[arg-type]
+             for r in groups.get(suite, [])}
+    if not rates or not fig.client_ceiling_rps:
+        return ""
+    top = max(rates, key=rates.__getitem__)
+    if rates[top] < 0.5 * fig.client_ceiling_rps:
+        return "Every serving figure below is under half of it, so the client is not what limits them."
+    return (f"The highest serving figure ({top}: {rates[top]:.0f} req/s) comes within 2x of it: read that one as a "
+            "lower bound, limited by the client sharing the cores as much as by the server.")
+
+
+def _strategies(groups: dict[str, list[Record]], fig: Figures) -> str:
+    rows = serving_rows(groups.get("strategies", []), fig.ceiling_items_s)
+    overhead = [[k, v, fig.batch1_p50_ms, round(v - fig.batch1_p50_ms, 2) if fig.batch1_p50_ms else None]
+                for k, v in fig.c1_p50_ms.items()]
+    return ("## The seed's strategies on minilm (same load)\n\nDESIGN.md's table as settings: serial = "
+            "`max_batch_size=1`; semaphore-like = 2 workers with batch 1; dynamic batching = batch 32, "
+            "`max_wait_ms=5`; two levels = that plus `max_inflight_batches=2`; several workers = 2 workers of "
+            "batch 32 on the one device. The naive FastAPI endpoint calls the model in a sync handler (thread "
+            "pool, no limit, no batching) and is the baseline row.\n\n" + table(SERVING_HEADERS, rows)
+            + "\n\n### Overhead at concurrency 1 (p50 minus the model's own batch-1 p50)\n\n"
+            + table(["configuration", "p50 ms at c=1", "model batch-1 p50 ms", "overhead ms"], overhead))
+
+
+def _peer(groups: dict[str, list[Record]], fig: Figures) -> str:
+    peer = fig.peer
+    if peer is None:
+        return ""
+    rows = serving_rows(groups.get("peer", []), fig.ceiling_items_s)
+    for row, record in zip(rows, groups.get("peer", []), strict=True):
+        row[0] = f"pair {record['pair']}: {record['config']}"
+    return (f"## Side by side with LitServe (concurrency {peer.concurrency}, alternating A B A B)\n\nBoth servers "
+            "run the same backend code (worker/models/minilm.py) with batch 32 and a 5 ms window, both up for "
+            "the whole suite, measured alternately so that machine drift cancels.\n\n"
+            f"- throughput ratio vramguard / LitServe, min / median / max over {len(peer.rps_ratios)} pairs: "
+            f"**{spread(peer.rps_ratios)}**\n- p99 ratio vramguard / LitServe (below 1 is better): "
+            f"**{spread(peer.p99_ratios)}**\n\n" + table(SERVING_HEADERS, rows))
+
+
+def _scale(groups: dict[str, list[Record]], fig: Figures) -> str:
+    records = groups.get("scale", [])
+    if not records:
+        return ""
+    base = fig.scale_rps.get(1)
+    rows = [[r["config"], r["concurrency"], r["rps"],
+             f"{float(r['rps']) / base:.2f}x" if base and "workers" in r else None,  # type: ignore[arg-type]
+             r["p50_ms"], r["p99_ms"], r.get("mean_batch"), r.get("queue_delay_ms"), r["requests"]] for r in records]
+    return ("## Scale: synthetic workers (sleep-based forward: 40 ms per request, batch 1)\n\n"
+            "Each worker serves at most 25 req/s; workers sleep instead of computing, so they do not compete for "
+            "the cores. The last rows are the gateway's own ceiling: 2 instant workers (0 ms forward, batches up "
+            "to 64), where only the gateway, Redis and the client do work.\n\n"
+            + table(["configuration", "conc.", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "mean batch",
+                     "queue delay ms", "requests"], rows))

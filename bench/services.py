@@ -1,0 +1,212 @@
+"""The systems under test, each started as real processes on free ports and stopped after use:
+vramguard (Redis + gateway + N workers, through tests/helpers.py's RedisServer and Stack),
+LitServe (the peer, from its own venv), a naive FastAPI endpoint, and a trivial endpoint for the
+load client's own ceiling. Every service exposes an infer URL, a request body shape, its
+process ids (for memory) and, for vramguard, the workers' heartbeat counters."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bench.stats import device_memory_mib, sum_counters
+from tests.helpers import ROOT, RedisServer, Stack, free_port
+
+READY_TIMEOUT_S = 240.0  # torch import + weights on 2 busy cores
+PEER_PYTHON = ROOT / "bench" / ".venv-peer" / "bin" / "python"
+
+
+def peak_rss_bytes(pids: list[int]) -> int:
+    """Sum of the peak resident set (VmHWM, since each process started) over `pids` and all their
+    children. Processes that already exited count 0."""
+    total = 0
+    procs: list[psutil.Process] = []
+    for pid in pids:
+        try:
+            root = psutil.Process(pid)
+            procs += [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    for proc in {p.pid: p for p in procs}.values():
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def wait_http_ok(url: str, timeout_s: float, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll GET `url` until it answers 200. Raises RuntimeError on timeout or if `proc` exits."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} not ready within {timeout_s} s")
+
+
+@dataclass
+class VramguardService:
+    """Redis, one gateway and `workers` workers of `model`; `settings` are VRAMGUARD_* values
+    (lower-case names, e.g. models__minilm__max_batch_size=32)."""
+
+    name: str
+    model: str
+    workers: int
+    settings: dict[str, object]
+    log_dir: Path
+    redis: RedisServer | None = None
+    stack: Stack | None = None
+    kind: str = "vramguard"
+
+    def start(self) -> None:
+        """Start everything and wait for /health/ready. Raises RuntimeError with the logs if not ready."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer()
+        self.redis.start()
+        base = {"served_models": self.model, "model": self.model, "heartbeat_interval_ms": 250,
+                "heartbeat_ttl_ms": 5000, "log_level": "WARNING"}
+        self.stack = Stack(self.redis.url, self.log_dir, **{**base, **self.settings})
+        self.stack.start_gateway()
+        for _ in range(self.workers):
+            self.stack.start_worker()
+        try:
+            wait_http_ok(f"{self.stack.url}/health/ready", READY_TIMEOUT_S, self.stack.gateway)
+            self._wait_all_workers()
+        except RuntimeError as exc:
+            raise RuntimeError(f"{self.name}: {exc}\n{self.stack.logs()}") from None
+
+    def _wait_all_workers(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while len(self.heartbeats()) < self.workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {len(self.heartbeats())} of {self.workers} workers came up")
+            time.sleep(0.25)
+
+    @property
+    def infer_url(self) -> str:
+        assert self.stack is not None
+        return f"{self.stack.url}/v1/models/{self.model}/infer"
+
+    def heartbeats(self) -> dict[str, dict[str, str]]:
+        """The live workers' heartbeat hashes as the gateway sees them."""
+        assert self.stack is not None
+        info = httpx.get(f"{self.stack.url}/v1/models/{self.model}", timeout=5.0).json()
+        return dict(info.get("workers", {}))
+
+    def counters(self) -> dict[str, float] | None:
+        """The workers' summed heartbeat counters (batches, items, requests, queue_delay_ms_sum)."""
+        return sum_counters(self.heartbeats())
+
+    def device_memory(self) -> dict[str, float]:
+        """The workers' device-memory heartbeat fields, summed (see stats.device_memory_mib)."""
+        return device_memory_mib(self.heartbeats())
+
+    def pids(self) -> list[int]:
+        assert self.stack is not None and self.redis is not None and self.redis.proc is not None
+        procs = [*self.stack.workers, self.stack.gateway, self.redis.proc]
+        return [p.pid for p in procs if p is not None]
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+        if self.redis is not None:
+            self.redis.stop()
+
+
+@dataclass
+class ProcessService:
+    """One server process (`argv`) answering POST `path` with {"inputs": [...]} and 200 on
+    `health_path` when ready."""
+
+    name: str
+    argv: list[str]
+    log_dir: Path
+    path: str = "/predict"
+    health_path: str = "/health"
+    env: dict[str, str] = field(default_factory=dict)
+    kind: str = "peer"
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process and wait for its health path. Raises RuntimeError with its log if not ready."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{self.name}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+               "BENCH_PORT": str(self.port), **self.env}
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_http_ok(f"http://127.0.0.1:{self.port}{self.health_path}", READY_TIMEOUT_S, self.proc)
+        except RuntimeError as exc:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+            self.stop()
+            raise RuntimeError(f"{self.name}: {exc}\n{tail}") from None
+
+    @property
+    def infer_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}{self.path}"
+
+    def counters(self) -> dict[str, float] | None:
+        return None
+
+    def device_memory(self) -> dict[str, float]:
+        return {}
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid] if self.proc is not None else []
+
+    def stop(self) -> None:
+        """SIGTERM the process and its children; SIGKILL what is left after 15 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        self.proc.terminate()
+        for proc in [*children]:
+            try:
+                proc.terminate()
+            except psutil.NoSuchProcess:
+                pass
+        _gone, alive = psutil.wait_procs([psutil.Process(self.proc.pid), *children], timeout=15)
+        for proc in alive:
+            proc.kill()
+        self.proc.wait(timeout=5)
+
+
+def litserve(log_dir: Path, *, max_batch_size: int, max_wait_ms: float, torch_threads: int) -> ProcessService:
+    """LitServe serving minilm (bench/peers/litserve_server.py) from the peer venv."""
+    if not PEER_PYTHON.exists():
+        raise RuntimeError(f"no peer venv at {PEER_PYTHON.parent.parent}: run `make bench-peer-venv` (make bench does)")
+    env = {"BENCH_MAX_BATCH_SIZE": str(max_batch_size), "BENCH_MAX_WAIT_MS": str(max_wait_ms),
+           "BENCH_TORCH_THREADS": str(torch_threads)}
+    return ProcessService("litserve", [str(PEER_PYTHON), "-m", "bench.peers.litserve_server"], log_dir, env=env)
+
+
+def naive(log_dir: Path, *, torch_threads: int) -> ProcessService:
+    """The naive FastAPI baseline (bench/peers/naive_server.py): calls the model in the request."""
+    env = {"BENCH_TORCH_THREADS": str(torch_threads)}
+    return ProcessService("naive", [sys.executable, "-m", "bench.peers.naive_server"], log_dir, env=env, kind="naive")
+
+
+def trivial(log_dir: Path) -> ProcessService:
+    """A trivial endpoint (no model): what the load client alone can reach on this machine."""
+    return ProcessService("trivial", [sys.executable, "-m", "bench.peers.trivial_server"], log_dir, kind="trivial")

@@ -1,0 +1,195 @@
+"""The measurements of issue 6, one function per suite; each returns JSON-ready records (one per
+load point) tagged with `suite` and `config`:
+
+    ceiling     the load client against a trivial endpoint (its own limit)
+    physical    minilm's batched throughput in one process (bench/physical.py, own process)
+    strategies  the seed's strategies as vramguard settings on minilm, plus the naive baseline
+    peer        vramguard vs LitServe, same batch size and window, alternating A B A B
+    scale       synthetic workers 1, 2, 4, 8 and the gateway's ceiling with instant workers
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from bench.corpus import load_corpus
+from bench.loadgen import body_cycle, run_point
+from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
+from bench.stats import summarize, worker_view
+
+PEER_CONCURRENCY = 64  # the issue's targets are stated at concurrency 64
+Records = Iterator[dict[str, object]]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """How long and where: seconds per point, the sweep, threads, output folder."""
+
+    duration_s: float = 8.0
+    warmup_s: float = 2.0
+    concurrencies: tuple[int, ...] = (1, 10, 20, 50, 64, 100)
+    pairs: int = 3
+    torch_threads: int = 2  # both cores to the model; split evenly when several workers share them
+    physical_seconds: float = 1.0
+    scale_workers: tuple[int, ...] = (1, 2, 4, 8)
+    out_dir: Path = ROOT / "bench" / "results"
+    progress: bool = True
+
+    @property
+    def log_dir(self) -> Path:
+        return self.out_dir / "logs"
+
+
+class Service(Protocol):
+    name: str
+    kind: str
+
+    @property
+    def infer_url(self) -> str: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def counters(self) -> dict[str, float] | None: ...
+    def device_memory(self) -> dict[str, float]: ...
+    def pids(self) -> list[int]: ...
+
+
+def measure(service: Service, cfg: BenchConfig, concurrency: int, **tags: object) -> dict[str, object]:
+    """One load point against a started service: load stats, the workers' view (vramguard only)
+    and peak RSS of the service's processes."""
+    before = service.counters()
+    bodies = body_cycle(load_corpus(), lambda text: {"inputs": [text]})
+    label = f"{tags.get('config', service.name)} c={concurrency}"
+    run = asyncio.run(run_point(service.infer_url, bodies, concurrency=concurrency, duration_s=cfg.duration_s,
+                                warmup_s=cfg.warmup_s, label=label, progress=cfg.progress))
+    record: dict[str, object] = {**tags, "system": service.kind, **summarize(run)}
+    if before is not None:
+        after = service.counters()
+        assert after is not None
+        record.update(worker_view(before, after))
+    record["peak_rss_mb"] = round(peak_rss_bytes(service.pids()) / 2**20, 1)
+    device = service.device_memory()
+    if device:
+        record["device_memory"] = device  # heartbeat *_bytes fields in MiB, when workers publish them
+    return record
+
+
+def sweep(service: Service, cfg: BenchConfig, suite: str, config: str) -> Records:
+    """Start `service`, measure every concurrency of the sweep, stop it."""
+    service.start()
+    try:
+        for concurrency in cfg.concurrencies:
+            yield measure(service, cfg, concurrency, suite=suite, config=config)
+    finally:
+        service.stop()
+
+
+def ceiling(cfg: BenchConfig) -> Records:
+    """The load client's own ceiling: a trivial endpoint at concurrency 1 and 64."""
+    service = trivial(cfg.log_dir)
+    service.start()
+    try:
+        for concurrency in (1, PEER_CONCURRENCY):
+            yield measure(service, cfg, concurrency, suite="ceiling", config="client vs trivial endpoint")
+    finally:
+        service.stop()
+
+
+def physical(cfg: BenchConfig) -> Records:
+    """The physical limit at 1 and at `torch_threads` threads, each in a process of its own."""
+    for threads in sorted({1, cfg.torch_threads}):
+        argv = [sys.executable, "-m", "bench", "physical", "--in-process", "--torch-threads", str(threads),
+                "--seconds", str(cfg.physical_seconds)]
+        out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        yield from (json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
+
+
+def minilm(cfg: BenchConfig, name: str, *, workers: int = 1, max_batch_size: int = 32, max_wait_ms: float = 5.0,
+           max_inflight_batches: int = 1) -> VramguardService:
+    """A vramguard stack serving minilm; torch threads split evenly between the workers."""
+    settings: dict[str, object] = {
+        "torch_threads": max(1, cfg.torch_threads // workers),
+        "models__minilm__max_batch_size": max_batch_size,
+        "models__minilm__max_wait_ms": max_wait_ms,
+        "models__minilm__max_inflight_batches": max_inflight_batches,
+    }
+    return VramguardService(name, "minilm", workers, settings, cfg.log_dir / name)
+
+
+def strategy_services(cfg: BenchConfig) -> list[tuple[str, Service]]:
+    """The seed's strategies as vramguard settings (DESIGN.md's table), then the naive baseline."""
+    return [
+        ("serial (batch 1)", minilm(cfg, "serial", max_batch_size=1)),
+        ("semaphore-like (2 workers, batch 1)", minilm(cfg, "semaphore", workers=2, max_batch_size=1)),
+        ("dynamic batching (batch 32, 5 ms)", minilm(cfg, "dynamic")),
+        ("two levels (batch 32, 5 ms, 2 in flight)", minilm(cfg, "two-levels", max_inflight_batches=2)),
+        ("several workers (2 x batch 32, 5 ms)", minilm(cfg, "multi-worker", workers=2)),
+        ("naive FastAPI (no control)", naive(cfg.log_dir, torch_threads=cfg.torch_threads)),
+    ]
+
+
+def strategies(cfg: BenchConfig) -> Records:
+    """Every strategy through the whole concurrency sweep, one stack at a time."""
+    for config, service in strategy_services(cfg):
+        yield from sweep(service, cfg, "strategies", config)
+
+
+def peer(cfg: BenchConfig) -> Records:
+    """vramguard (dynamic batching) and LitServe, both up, same batch size and window, measured
+    alternately A B A B ... at concurrency 64, `cfg.pairs` pairs."""
+    ours = minilm(cfg, "peer-vramguard")
+    theirs = litserve(cfg.log_dir, max_batch_size=32, max_wait_ms=5.0, torch_threads=cfg.torch_threads)
+    ours.start()
+    try:
+        theirs.start()
+        try:
+            for pair in range(cfg.pairs):
+                for config, service in (("vramguard", ours), ("litserve", theirs)):
+                    yield measure(service, cfg, PEER_CONCURRENCY, suite="peer", config=config, pair=pair)
+        finally:
+            theirs.stop()
+    finally:
+        ours.stop()
+
+
+def synthetic(cfg: BenchConfig, name: str, workers: int, batch_ms: float, max_batch_size: int) -> VramguardService:
+    """A vramguard stack of `workers` synthetic workers (sleep-based forward, no CPU)."""
+    settings: dict[str, object] = {
+        "torch_threads": 1,
+        "models__synthetic__max_batch_size": max_batch_size,
+        "models__synthetic__params": json.dumps({"batch_ms": batch_ms, "item_ms": 0.0}),
+    }
+    return VramguardService(name, "synthetic", workers, settings, cfg.log_dir / name)
+
+
+SCALE_BATCH_MS = 40.0  # one request per 40 ms forward: a worker serves at most 25 req/s
+
+
+def scale(cfg: BenchConfig) -> Records:
+    """Throughput against synthetic worker count at concurrency 64, then the gateway's own
+    ceiling: instant workers (batch_ms 0) with batches of up to 64."""
+    for workers in cfg.scale_workers:
+        service = synthetic(cfg, f"scale-{workers}", workers, SCALE_BATCH_MS, max_batch_size=1)
+        service.start()
+        try:
+            yield measure(service, cfg, PEER_CONCURRENCY, suite="scale", config=f"{workers} workers", workers=workers)
+        finally:
+            service.stop()
+    service = synthetic(cfg, "gateway-ceiling", 2, 0.0, max_batch_size=64)
+    service.start()
+    try:
+        for concurrency in (PEER_CONCURRENCY, 100):
+            yield measure(service, cfg, concurrency, suite="scale", config="gateway ceiling (instant workers)")
+    finally:
+        service.stop()
+
+
+SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale}

@@ -1,0 +1,47 @@
+"""bench/figures.py: the headline ratios and target verdicts computed from a run's records."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.figures import summary_figures, target_rows
+
+
+def point(suite: str, config: str, concurrency: int, rps: float, p99_ms: float, **extra: object) -> dict[str, object]:
+    return {"suite": suite, "config": config, "concurrency": concurrency, "rps": rps, "items_per_s": rps,
+            "p50_ms": extra.pop("p50_ms", 20.0), "p95_ms": p99_ms / 2, "p99_ms": p99_ms, **extra}
+
+
+def run_records() -> dict[str, list[dict[str, object]]]:
+    physical = [{"suite": "physical", "torch_threads": t, "batch_size": b, "items_per_s": ips, "batch_p50_ms": ms}
+                for t, b, ips, ms in [(1, 1, 70.0, 14.0), (1, 16, 85.0, 190.0), (2, 1, 60.0, 15.0),
+                                      (2, 16, 128.0, 125.0)]]
+    peer = []
+    for pair, (ours, theirs) in enumerate([(100.0, 80.0), (90.0, 90.0), (120.0, 60.0)]):
+        peer.append(point("peer", "vramguard", 64, ours, 1000.0, pair=pair))
+        peer.append(point("peer", "litserve", 64, theirs, 2000.0, pair=pair))
+    scale = [point("scale", f"{w} workers", 64, 24.0 * w * (0.95 if w == 8 else 1), 100.0, workers=w) for w in (1, 8)]
+    scale.append(point("scale", "gateway ceiling (instant workers)", 64, 400.0, 50.0))
+    strategies = [point("strategies", "dynamic batching (batch 32, 5 ms)", 1, 40.0, 30.0, p50_ms=16.0)]
+    return {"physical": physical, "peer": peer, "scale": scale, "strategies": strategies}
+
+
+def test_figures_from_a_run() -> None:
+    fig = summary_figures(run_records())
+    # 1. The ceiling is the best row of any thread count; batch-1 latency the best batch-1 p50.
+    assert (fig.ceiling_items_s, fig.ceiling_batch, fig.ceiling_threads, fig.batch1_p50_ms) == (128.0, 16, 2, 14.0)
+    # 2. Peer ratios are per pair, ours over theirs, medians over pairs.
+    assert fig.peer is not None
+    assert fig.peer.rps_ratios == pytest.approx([1.25, 1.0, 2.0])
+    assert fig.peer.p99_ratios == pytest.approx([0.5, 0.5, 0.5])
+    assert fig.peer.ours_rps == 100.0 and fig.peer.theirs_rps == 80.0
+    assert fig.scale_rps == {1: 24.0, 8: pytest.approx(182.4)} and fig.gateway_ceiling_rps == 400.0
+
+
+def test_target_verdicts() -> None:
+    rows = {row[0]: row for row in target_rows(summary_figures(run_records()))}
+    assert rows["throughput at c=64 >= 1.25x LitServe"][2] == "**met**"  # median 1.25
+    assert rows["throughput at c=64 >= 80% of the model's own limit"][2] == "**missed**"  # 100 / 128 = 78%
+    assert rows["p99 at c=64 no worse than LitServe's"][2] == "**met**"
+    assert rows["p50 at c=1 within 3 ms of the model's batch-1 latency"][1].startswith("+2.0 ms")
+    assert rows["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)"][2] == "**met**"  # 7.6x
