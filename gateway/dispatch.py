@@ -26,7 +26,6 @@ from shared.errors import (
     error_from_code,
 )
 from shared.keys import Keys
-from shared.models import CATALOGUE
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from shared.settings import Settings
 

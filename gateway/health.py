@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -62,7 +63,7 @@ class Health:
             for model in self._settings.served_models:
                 index = self._keys.worker_index(model)
                 await self._redis.zremrangebyscore(index, "-inf", f"({oldest}")
-                ids = await self._redis.zrangebyscore(index, oldest, "+inf")
+                ids = cast(list[bytes], await self._redis.zrangebyscore(index, oldest, "+inf"))
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for worker_id in ids:
                         pipe.hgetall(self._keys.heartbeat(worker_id.decode()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -133,7 +134,8 @@ class ReplyListener:
                 log.warning("reply read failed", extra={"error": str(exc), "failures": failures})
                 await asyncio.sleep(backoff.compute(failures))
                 continue
-            for _stream, entries in response or ():
+            streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None, response)
+            for _stream, entries in streams or ():
                 await self._deliver(entries)
 
     async def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:

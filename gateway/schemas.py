@@ -7,10 +7,9 @@ InvalidInputError (422), or 400 for a body that is not JSON at all.
 from __future__ import annotations
 
 import math
-
-import numpy as np
 from typing import Annotated
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
 from shared.errors import InvalidInputError

@@ -42,7 +42,7 @@ def _default(obj: object) -> msgpack.ExtType:
         payload = msgpack.packb([arr.dtype.str, list(arr.shape), arr.tobytes()], use_bin_type=True)
         return msgpack.ExtType(ARRAY_EXT, payload)
     if isinstance(obj, np.generic):
-        return obj.item()  # type: ignore[no-any-return]
+        return obj.item()
     raise TypeError(f"cannot encode {type(obj).__name__} on the wire")
 
 

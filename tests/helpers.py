@@ -28,7 +28,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], timeout_s: float, interval_s: float = 0.05) -> None:
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool] | bool], timeout_s: float, interval_s: float = 0.05
+) -> None:
     """Poll `predicate` until it is true; raise AssertionError after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -139,8 +140,9 @@ class Batcher:
             GROUP, self._consumer, {self._stream: start_id}, count=max(1, count),
             block=None if block_ms is None else max(1, block_ms),
         )
+        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
         # A pending entry deleted meanwhile comes back as (id, None/{}): nothing left to serve.
-        return [decode_entry(eid, fields) for _s, entries in response or () for eid, fields in entries if fields]
+        return [decode_entry(eid, fields) for _s, entries in streams or () for eid, fields in entries if fields]
 
     def _take_carry(self, batch: list[Entry], items: int) -> int:
         while self._carry and (not batch or items + self._carry[0].n_items <= self.max_batch_size):

@@ -11,8 +11,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
+from redis.typing import EncodableT, FieldT
 
 from shared.keys import GROUP
 from shared.protocol import ENTRY_FIELD, EntryId, ReplyMessage
@@ -55,12 +57,17 @@ async def publish_replies(
         async with redis.pipeline(transaction=True) as pipe:
             for out in replies:
                 pipe.xadd(
-                    out.reply_to, {ENTRY_FIELD: out.reply.encode()}, maxlen=reply_maxlen, approximate=True, nomkstream=True
+                    out.reply_to,
+                    {ENTRY_FIELD: out.reply.encode()},
+                    maxlen=reply_maxlen,
+                    approximate=True,
+                    nomkstream=True,
                 )
             for dead in dead_letters:
+                fields = cast(dict[FieldT, EncodableT], dead.fields)
                 pipe.xadd(
                     dead_letter_stream,
-                    {**dead.fields, b"entry_id": dead.entry_id.encode(), b"reason": dead.reason.encode()},
+                    {**fields, b"entry_id": dead.entry_id.encode(), b"reason": dead.reason.encode()},
                     maxlen=DEAD_LETTER_MAXLEN,
                     approximate=True,
                 )

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
 from shared.errors import InvalidInputError, ModelError
 from shared.models import ModelConfig
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 EMBEDDING_DIM = 384
 
@@ -27,7 +31,7 @@ class MiniLMBackend:
         if device == "sim":
             raise ValueError("minilm runs on cuda or cpu; the simulated device is for the synthetic model")
         self.device = device
-        self._model: torch.nn.Module | None = None
+        self._model: SentenceTransformer | None = None
 
     def load(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights ship in the package; never reach the hub
@@ -38,7 +42,7 @@ class MiniLMBackend:
         self._model = model
 
     @property
-    def model(self) -> torch.nn.Module:
+    def model(self) -> SentenceTransformer:
         if self._model is None:
             raise RuntimeError("minilm: load() was not called")
         return self._model
@@ -46,7 +50,7 @@ class MiniLMBackend:
     @property
     def max_tokens(self) -> int:
         """The model's sequence window in tokens (256 for all-MiniLM-L6-v2)."""
-        return int(self.model.max_seq_length)
+        return int(cast(int, self.model.max_seq_length))  # typed int | None; set (256) for this model
 
     def decode(self, inputs: list[object]) -> list[object]:
         for i, text in enumerate(inputs):
