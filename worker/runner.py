@@ -1,8 +1,8 @@
 """The worker's lifecycle: connect, load and warm up the model, then read batches, run them
 and publish replies until told to stop. The main loop reads like DESIGN.md's hops:
 
-    read_batch (batcher.py) -> decode + drop expired (here) -> run_batch (execute.py)
-    -> publish_replies (publish.py)
+    read_batch (batcher.py) -> BatchServer.serve (serve.py): decode + drop expired, cost
+    groups, run_batch (execute.py), publish_replies (publish.py)
 
 Entries of dead workers (and of this consumer name's previous life) come back through
 reclaim.py and are served first, one at a time and alone, or dead-lettered (issue 4).
@@ -23,22 +23,20 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from shared.clock import monotonic_ms, now_ms
-from shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError
+from shared.clock import monotonic_ms
 from shared.keys import GROUP, Keys
-from shared.protocol import EntryId, ReplyMessage
+from shared.protocol import EntryId
 from shared.redis_client import connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Batcher, Entry
-from worker.costing import group_by_cost
-from worker.execute import CudaContextLost, ItemResult, run_batch
+from worker.execute import CudaContextLost, run_batch
 from worker.heartbeat import Heartbeat, WorkerStats
-from worker.metrics import WorkerMetrics
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
-from worker.publish import DeadLetter, Outgoing, publish_replies
-from worker.watchdog import Watchdog
+from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer
+from worker.serve import BatchServer
+from worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +77,7 @@ class Worker:
         self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
+        self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
 
     def __repr__(self) -> str:
         s = self.stats
@@ -127,6 +126,10 @@ class Worker:
             return ExitCode.STARTUP_FAILED
         budget = self.budget
         assert budget is not None
+        self._server = BatchServer(
+            self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
+            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost,
+        )
         heartbeat = Heartbeat(
             self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
             {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
@@ -220,7 +223,11 @@ class Worker:
             read += 1
             task = asyncio.create_task(self._serve_batch(redis, entries))
             self._inflight.add(task)
-            task.add_done_callback(lambda t: (self._inflight.discard(t), slots.release()))
+            task.add_done_callback(lambda t: self._batch_done(t, slots))
+
+    def _batch_done(self, task: asyncio.Task[None], slots: asyncio.Semaphore) -> None:
+        self._inflight.discard(task)
+        slots.release()
 
     async def _recover(self, redis: aioredis.Redis, exc: RedisError, delay_s: float) -> None:
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
@@ -268,91 +275,19 @@ class Worker:
         return ExitCode.OK
 
     async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        """Serve one batch while its entries count as held (their idle time kept fresh by reclaim)."""
+        assert self._server is not None
         ids = [e.entry_id for e in entries]
         self._held.update(ids)
         try:
-            await self._run_and_publish(redis, entries)
+            await self._server.serve(redis, entries)
         finally:
             self._held.difference_update(ids)
 
-    async def _run_and_publish(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
-        """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
-        publishing each group as soon as it is done. Immediate replies (expired, invalid, too large
-        for the memory budget) go out first."""
-        batch_start_ms = now_ms()
-        outgoing, dead, live = self._triage(entries, batch_start_ms)
-        costs = await asyncio.to_thread(lambda: [[self.backend.item_cost(i) for i in items] for _e, items in live])
-        outgoing.extend(self._refuse_too_large(live, costs))
-        kept = [k for k, c in enumerate(costs) if self._fits_alone(c)]
-        live_ids = {live[k][0].entry_id for k in kept}
-        if outgoing or dead:
-            self.stats.errors += len(outgoing)
-            await self._publish(redis, outgoing, [e.entry_id for e in entries if e.entry_id not in live_ids], dead)
-        budget_cost = self.budget.max_batch_cost if self.budget is not None else None
-        for group in group_by_cost([costs[k] for k in kept], self.config.max_batch_size, budget_cost):
-            ok = await self._serve_group(redis, [live[kept[g]] for g in group], [costs[kept[g]] for g in group],
-                                         batch_start_ms)
-            if not ok:
-                return  # the context is lost: nothing more is computed or acked
-
-    def _fits_alone(self, entry_costs: list[int]) -> bool:
-        return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
-
-    def _refuse_too_large(self, live: list[tuple[Entry, list[object]]], costs: list[list[int]]) -> list[Outgoing]:
-        """413 input_too_large at once for an entry with an item that cannot fit the budget even alone."""
-        out = []
-        for (entry, _items), entry_costs in zip(live, costs, strict=True):
-            if not self._fits_alone(entry_costs):
-                assert self.budget is not None
-                message = (f"an input costs {max(entry_costs)} (tokens or items); the memory budget allows "
-                           f"{self.budget.plan.max_batch_cost} per forward")
-                out.append(self._failure(entry, InputTooLargeError.code, message))
-        return out
-
-    async def _serve_group(
-        self, redis: aioredis.Redis, group: list[tuple[Entry, list[object]]], costs: list[list[int]],
-        batch_start_ms: int,
-    ) -> bool:
-        """Run one cost group and publish its replies. False when the device context was lost
-        (the entries stay pending, un-acked, and the worker exits)."""
-        items = [item for _entry, entry_items in group for item in entry_items]
-        started = monotonic_ms()
-        try:
-            results, stats = await asyncio.to_thread(
-                run_batch, self.backend, items, self.config.max_batch_size, budget=self.budget,
-                costs=[c for entry_costs in costs for c in entry_costs],
-            )
-        except CudaContextLost as exc:
-            log.error("device context lost; exiting without acking",
-                      extra={"error": str(exc), "batch_size": len(items)})
-            self.fatal = ExitCode.CUDA_CONTEXT_LOST
-            self.should_exit = self.force_exit = True
-            return False
-        duration_ms = monotonic_ms() - started
-        outgoing = self._replies(group, results, len(items), batch_start_ms)
-        delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
-        self.watchdog.record_batch(results)
-        self.metrics.observe_batch(len(items), delays_ms, duration_ms)
-        log.info("batch done", extra={"model": self.settings.model, "worker_id": self.worker_id,
-                                      "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
-                                      "oom_events": stats.oom_events, "queue_delay_ms": max(delays_ms, default=0.0),
-                                      "duration_ms": round(duration_ms, 2)})
-        self.stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
-                                sum(delays_ms))
-        await self._publish(redis, outgoing, [e.entry_id for e, _items in group], [])
-        return True
-
-    async def _publish(
-        self, redis: aioredis.Redis, outgoing: list[Outgoing], entry_ids: list[EntryId], dead: list[DeadLetter]
-    ) -> None:
-        try:
-            await publish_replies(
-                redis, request_stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                replies=outgoing, entry_ids=entry_ids, dead_letters=dead,
-                reply_maxlen=self.settings.reply_stream_maxlen,
-            )
-        except RedisError as exc:
-            log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})
+    def _context_lost(self) -> None:
+        """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""
+        self.fatal = ExitCode.CUDA_CONTEXT_LOST
+        self.should_exit = self.force_exit = True
 
     def _unhealthy(self, reason: str) -> None:
         """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""
@@ -365,55 +300,5 @@ class Worker:
         return {**self.watchdog.heartbeat_fields(),
                 **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches)}
 
-    def _triage(
-        self, entries: list[Entry], batch_start_ms: int
-    ) -> tuple[list[Outgoing], list[DeadLetter], list[tuple[Entry, list[object]]]]:
-        """Split a batch into immediate replies (expired, invalid), dead letters (undecodable)
-        and live entries with their decoded items."""
-        outgoing: list[Outgoing] = []
-        dead: list[DeadLetter] = []
-        live: list[tuple[Entry, list[object]]] = []
-        for entry in entries:
-            msg = entry.message
-            if msg is None:
-                log.error("undecodable entry to dead letter", extra={"entry_id": entry.entry_id, "error": entry.decode_error})
-                dead.append(DeadLetter(entry.entry_id, entry.fields, entry.decode_error or "undecodable"))
-                continue
-            if msg.deadline_ms <= batch_start_ms:
-                self.stats.expired += 1
-                outgoing.append(self._failure(entry, DeadlineExceededError.code, "deadline passed while queued"))
-                continue
-            try:
-                live.append((entry, self.backend.decode(msg.inputs)))
-            except InvalidInputError as exc:
-                outgoing.append(self._failure(entry, exc.code, exc.message))
-        return outgoing, dead, live
 
-    def _failure(self, entry: Entry, code: str, message: str) -> Outgoing:
-        assert entry.message is not None
-        return Outgoing(entry.message.reply_to, ReplyMessage.failure(entry.message.request_id, code, message,
-                                                                     worker_id=self.worker_id))
-
-    def _replies(
-        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int
-    ) -> list[Outgoing]:
-        out: list[Outgoing] = []
-        offset = 0
-        for entry, items in live:
-            msg = entry.message
-            assert msg is not None
-            mine = results[offset : offset + len(items)]
-            offset += len(items)
-            failed = next((r for r in mine if not r.ok), None)
-            common = {"worker_id": self.worker_id, "batch_size": batch_size,
-                      "queue_delay_ms": float(batch_start_ms - msg.enqueued_ms)}
-            if failed is not None:
-                reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
-                                             failed.error_message or "", **common)
-            else:
-                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine], **common)  # type: ignore[arg-type]
-            out.append(Outgoing(msg.reply_to, reply))
-        return out
-
-
-__all__ = ["ExitCode", "Worker", "EntryId"]
+__all__ = ["ExitCode", "Worker"]
