@@ -74,11 +74,31 @@ class BatchServer:
             await self._publish(redis, outgoing, [e.entry_id for e in entries if e.entry_id not in live_ids], dead)
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
         for group in group_by_cost([costs[k] for k in kept], self._config.max_batch_size, budget_cost):
-            ok = await self._serve_group(redis, [live[kept[g]] for g in group], [costs[kept[g]] for g in group],
-                                         batch_start_ms)
+            members = [(live[kept[g]], costs[kept[g]]) for g in group]
+            members = await self._drop_expired(redis, members)  # earlier groups may have outlived a deadline
+            if not members:
+                continue
+            ok = await self._serve_group(redis, [m for m, _c in members], [c for _m, c in members], batch_start_ms)
             if not ok:
                 return False  # the context is lost: nothing more is computed or acked
         return True
+
+    async def _drop_expired(
+        self, redis: aioredis.Redis, members: list[tuple[tuple[Entry, list[object]], list[int]]]
+    ) -> list[tuple[tuple[Entry, list[object]], list[int]]]:
+        """Answer `deadline_exceeded` (and ack) for members whose deadline passed while earlier
+        groups of the same read ran; return the others. No forward is spent on a request whose
+        caller has already been answered 504 by the gateway."""
+        now = now_ms()
+        expired = [m for m in members if m[0][0].message is not None and m[0][0].message.deadline_ms <= now]
+        if not expired:
+            return members
+        self._stats.expired += len(expired)
+        replies = [self._failure(entry, DeadlineExceededError.code, "deadline passed before its group ran")
+                   for (entry, _items), _c in expired]
+        gone = {entry.entry_id for (entry, _items), _c in expired}
+        await self._publish(redis, replies, list(gone), [])
+        return [m for m in members if m[0][0].entry_id not in gone]
 
     def _fits_alone(self, entry_costs: list[int]) -> bool:
         return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
