@@ -9,18 +9,20 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.dispatch import Dispatcher
 from gateway.health import Health
 from gateway.metrics import GatewayMetrics
 from gateway.observe import router as observe_router
 from gateway.replies import ReplyListener
-from gateway.routes import router
-from shared.errors import QueueFullError, UnavailableError, VramguardError
+from gateway.routes import health_router, router
+from shared.errors import QueueFullError, UnauthorizedError, UnavailableError, VramguardError
 from shared.keys import Keys
 from shared.redis_client import connect, connect_blocking
 from shared.settings import Settings
@@ -64,6 +66,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan)
     app.include_router(router)
+    app.include_router(health_router)
     app.include_router(observe_router)
     _install_error_handlers(app)
     return app
@@ -84,19 +87,51 @@ async def drain_requests(app: FastAPI) -> None:
     listener.fail_all(UnavailableError("the gateway shut down before the reply came"))
 
 
+def _request_id(request: Request) -> str | None:
+    """The id routes.py assigned to this request on arrival (inference only), else None."""
+    return getattr(request.state, "request_id", None)
+
+
+def _error_headers(exc: VramguardError) -> dict[str, str] | None:
+    if isinstance(exc, QueueFullError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, UnauthorizedError):
+        return {"WWW-Authenticate": "Bearer"}
+    return None
+
+
+def _http_code(status: int) -> str:
+    """The error code of a Starlette HTTPException: its status phrase in snake case (404 not_found,
+    405 method_not_allowed), or http_<status> for a status without one."""
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
+    except ValueError:
+        return f"http_{status}"
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(VramguardError)
     async def _vramguard_error(request: Request, exc: VramguardError) -> JSONResponse:
-        headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, QueueFullError) else None
+        request_id = exc.request_id or _request_id(request)
         return JSONResponse(
-            error_body(exc.code, exc.message, exc.request_id), status_code=exc.http_status, headers=headers
+            error_body(exc.code, exc.message, request_id), status_code=exc.http_status, headers=_error_headers(exc)
         )
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body("invalid_input", str(exc.errors()[:3]), None), status_code=422)
+        return JSONResponse(error_body("invalid_input", str(exc.errors()[:3]), _request_id(request)), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own 404 (no route) and 405 (wrong method, with its Allow header), in our format.
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(
+            error_body(_http_code(exc.status_code), message, _request_id(request)),
+            status_code=exc.status_code,
+            headers=exc.headers,
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error", extra={"path": request.url.path})
-        return JSONResponse(error_body("internal", "internal error", None), status_code=500)
+        log.exception("unhandled error", extra={"path": request.url.path, "request_id": _request_id(request)})
+        return JSONResponse(error_body("internal", "internal error", _request_id(request)), status_code=500)

@@ -1,4 +1,4 @@
-"""Hop 2: `Dispatcher` assigns a request id and a deadline, checks admission, enqueues the
+"""Hop 2: `Dispatcher` takes the request id routes.py assigned, sets a deadline, checks admission, enqueues the
 request on the model's stream and waits for its reply until the deadline.
 
 Order matters: the future is registered with the ReplyListener before the XADD, so that a
@@ -81,13 +81,21 @@ class Dispatcher:
             )
 
     async def submit(
-        self, model: str, inputs: list[object], parameters: dict[str, object], timeout_ms: int | None
+        self,
+        model: str,
+        inputs: list[object],
+        parameters: dict[str, object],
+        timeout_ms: int | None,
+        *,
+        request_id: RequestId | None = None,
     ) -> tuple[RequestId, ReplyMessage]:
         """Enqueue one request and wait for its reply.
 
         Args:
             inputs: one msgpack-encodable value per item, already validated (gateway/schemas.py).
             timeout_ms: the client's budget; None uses the model's `default_timeout_ms`.
+            request_id: the id routes.py assigned when the request arrived (so its early errors
+                carry it too); None assigns a fresh one here.
 
         Returns:
             (request_id, the successful reply).
@@ -99,7 +107,7 @@ class Dispatcher:
         """
         self.check_model(model)
         config = self._settings.model_config_for(model)
-        request_id = RequestId(uuid.uuid4().hex)
+        request_id = request_id or RequestId(uuid.uuid4().hex)
         started_ms = monotonic_ms()
         timeout_ms = timeout_ms or config.default_timeout_ms
         try:

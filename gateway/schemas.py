@@ -10,12 +10,15 @@ import math
 from typing import Annotated
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
-from shared.errors import InvalidInputError
+from shared.errors import InvalidInputError, PayloadTooLargeError
 from shared.models import InputKind, ModelConfig, ModelSpec
 
 MAX_TEXT_CHARS = 100_000  # per input; minilm truncates to its 256-token window anyway
+MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
+# msgpack (shared/protocol.py) carries integers from int64's minimum to uint64's maximum; JSON has no bound.
+WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
 
 
 class BodyNotJsonError(InvalidInputError):
@@ -31,7 +34,7 @@ class InferRequest(BaseModel):
 
     inputs: Annotated[list[JsonValue], Field(min_length=1)]
     parameters: dict[str, JsonValue] = Field(default_factory=dict)
-    timeout_ms: Annotated[int | None, Field(ge=1, le=3_600_000)] = None
+    timeout_ms: Annotated[StrictInt | None, Field(ge=1, le=MAX_TIMEOUT_MS)] = None  # 100.0, "100", true: 422
 
 
 class InferResponse(BaseModel):
@@ -57,14 +60,47 @@ class ModelList(BaseModel):
 
 
 def parse_infer_request(body: bytes) -> InferRequest:
-    """Parse and validate a raw body. Raises BodyNotJsonError (400) or InvalidInputError (422)."""
+    """Parse and validate a raw body. Raises BodyNotJsonError (400) or InvalidInputError (422),
+    the latter also for an integer the wire cannot carry (outside WIRE_INT_MIN..WIRE_INT_MAX)."""
     try:
-        return InferRequest.model_validate_json(body)
+        parsed = InferRequest.model_validate_json(body)
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
             raise BodyNotJsonError(f"body is not valid JSON: {first['msg']}") from exc
         raise InvalidInputError(_summarise(exc)) from exc
+    for i, value in enumerate(parsed.inputs):
+        _check_wire_ints(value, f"inputs[{i}]")
+    for name, value in parsed.parameters.items():
+        _check_wire_ints(value, f"parameters.{name}")
+    return parsed
+
+
+def _check_wire_ints(value: JsonValue, where: str) -> None:
+    """Raise InvalidInputError naming `where` for an integer outside the 64-bit range msgpack encodes
+    (it would otherwise fail in shared/protocol.py's pack, after validation, as a 500)."""
+    if isinstance(value, int) and not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
+        digits = str(value)  # pydantic's JSON parser stops at ~4300 digits, below str()'s limit
+        shown = digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"
+        raise InvalidInputError(
+            f"{where}: integer {shown} is outside the range the gateway can carry "
+            f"({WIRE_INT_MIN} to {WIRE_INT_MAX}); send it as a string or a float"
+        )
+    if isinstance(value, list):
+        for item in value:
+            _check_wire_ints(item, where)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_wire_ints(item, where)
+
+
+def check_input_count(model: str, config: ModelConfig, n_inputs: int) -> None:
+    """Raise PayloadTooLargeError (413) when a request carries more than `config.max_inputs_per_request`
+    inputs (Settings' per-model value), naming both numbers."""
+    if n_inputs > config.max_inputs_per_request:
+        raise PayloadTooLargeError(
+            f"{n_inputs} inputs in one request; model {model!r} takes at most {config.max_inputs_per_request}"
+        )
 
 
 def _summarise(exc: ValidationError) -> str:

@@ -22,6 +22,7 @@ class ModelConfig(BaseModel):
     default_timeout_ms: a request's deadline when the client names none.
     queue_bound: queued + in-flight entries past which the gateway answers 429.
     max_inflight_batches: forwards one worker may run at once (1 = strictly serial).
+    max_inputs_per_request: inputs one request may carry; the gateway answers 413 past it, before enqueueing.
     params: model-specific parameters, validated by the model implementation.
     """
 
@@ -32,6 +33,7 @@ class ModelConfig(BaseModel):
     default_timeout_ms: int = Field(30_000, ge=1)
     queue_bound: int = Field(1000, ge=1)
     max_inflight_batches: int = Field(1, ge=1, le=64)
+    max_inputs_per_request: int = Field(256, ge=1)
     params: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -54,6 +56,7 @@ class ModelOverrides(BaseModel):
     default_timeout_ms: int | None = None
     queue_bound: int | None = None
     max_inflight_batches: int | None = None
+    max_inputs_per_request: int | None = None
     params: dict[str, float] | None = None
 
 

@@ -11,6 +11,7 @@ import os
 import socket
 from collections.abc import Mapping
 from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -163,10 +164,12 @@ class Settings(BaseSettings):
         return self.worker_name or f"{socket.gethostname()}-{os.getpid()}"
 
     def masked(self) -> dict[str, object]:
-        """The effective settings for a startup log line; secrets masked."""
+        """The effective settings for a startup log line; secrets masked (the API key and the
+        password in `redis_url`)."""
         data = self.model_dump(mode="json")
         if self.api_key is not None:
             data["api_key"] = "***"
+        data["redis_url"] = mask_url_password(self.redis_url)
         return data
 
     @classmethod
@@ -180,6 +183,16 @@ class Settings(BaseSettings):
             return cls()
         except ValueError as exc:
             raise SettingsError(_describe(exc)) from exc
+
+
+def mask_url_password(url: str) -> str:
+    """`url` with its password replaced by `***` (redis://:s3cret@host:6379/0 -> redis://:***@host:6379/0);
+    the rest unchanged, and a URL without a password returned as is."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 def check_env_names(environ: Mapping[str, str]) -> None:

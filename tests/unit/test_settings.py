@@ -78,3 +78,25 @@ def test_claim_idle_covers_the_batch_window() -> None:
     Settings(claim_idle_ms=3005, reclaim_interval_ms=1000, model="synthetic")  # 3 x 1000 + 5 ms window
     with pytest.raises(ValueError, match="claim_idle_ms"):
         Settings(claim_idle_ms=3004, reclaim_interval_ms=1000, model="synthetic")
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://:s3cret@host:6379/0", "redis://:***@host:6379/0"),
+        ("rediss://user:s3cret@redis.internal:6380/2?ssl_cert_reqs=none", "rediss://user:***@redis.internal:6380/2?ssl_cert_reqs=none"),
+        ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ],
+)
+def test_redis_password_is_masked(url: str, shown: str) -> None:
+    masked = Settings(redis_url=url).masked()
+    assert masked["redis_url"] == shown
+    assert "s3cret" not in str(masked)
+
+
+def test_max_inputs_per_request_defaults_to_256_and_must_be_positive() -> None:
+    s = Settings(models={"synthetic": {"max_inputs_per_request": 8}})  # type: ignore[dict-item]
+    assert s.model_config_for("minilm").max_inputs_per_request == 256
+    assert s.model_config_for("synthetic").max_inputs_per_request == 8
+    with pytest.raises(ValueError, match="MAX_INPUTS_PER_REQUEST"):
+        Settings(models={"synthetic": {"max_inputs_per_request": 0}})  # type: ignore[dict-item]

@@ -1,0 +1,131 @@
+"""The gateway's edge through the real app and a real Redis: request limits, values the wire
+cannot carry, the timeout header, the API key, Starlette's own 404/405 in our error format, and
+the request id on every error of an inference request."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import httpx
+import pytest
+
+from gateway.app import create_app
+from shared.settings import Settings
+
+INFER = "/v1/models/synthetic/infer"
+
+
+@asynccontextmanager
+async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """Like the `gateway` fixture, for settings a test chooses."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            yield client
+
+
+def error_of(response: httpx.Response, status: int, code: str) -> dict[str, object]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == code and error["message"]
+    return error  # type: ignore[no-any-return]
+
+
+async def test_too_many_inputs_is_413_naming_both_numbers(settings_factory: Callable[..., Settings]) -> None:
+    settings = settings_factory(models={"synthetic": {"max_inputs_per_request": 3}})
+    async with gateway_with(settings) as gateway:
+        error = error_of(await gateway.post(INFER, json={"inputs": [1, 2, 3, 4]}), 413, "payload_too_large")
+        assert "4 inputs" in str(error["message"]) and "at most 3" in str(error["message"])
+        # The default is 256 per request: 257 is refused before enqueueing (no worker needed to tell).
+        error = error_of(await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"] * 257}),
+                         413, "payload_too_large")
+        assert "257" in str(error["message"]) and "256" in str(error["message"])
+
+
+async def test_integers_the_wire_cannot_carry_are_422(gateway: httpx.AsyncClient) -> None:
+    for body in ({"inputs": ["a"], "parameters": {"x": 123456789012345678901234567890}},
+                 {"inputs": [18446744073709551616]}):
+        error = error_of(await gateway.post(INFER, json=body), 422, "invalid_input")
+        assert "outside the range" in str(error["message"])
+
+
+async def test_timeout_header_is_ascii_digits_and_checked_even_when_the_body_has_one(
+    gateway: httpx.AsyncClient,
+) -> None:
+    cases = [
+        ({"inputs": [1]}, {"X-Request-Timeout-Ms": "²"}),
+        ({"inputs": [1]}, {"X-Request-Timeout-Ms": "１００"}),  # fullwidth digits
+        ({"inputs": [1]}, {"X-Request-Timeout-Ms": "1" * 5000}),
+        ({"inputs": [1], "timeout_ms": 500}, {"X-Request-Timeout-Ms": "soon"}),
+        ({"inputs": [1], "timeout_ms": True}, {}),
+        ({"inputs": [1], "timeout_ms": "100"}, {}),
+        ({"inputs": [1], "timeout_ms": 100.0}, {}),
+    ]
+    for body, headers in cases:
+        encoded = {k: v.encode() for k, v in headers.items()}  # httpx would refuse non-ASCII str values
+        error_of(await gateway.post(INFER, json=body, headers=encoded), 422, "invalid_input")
+
+
+async def test_api_key_guards_v1_routes_only(settings_factory: Callable[..., Settings]) -> None:
+    async with gateway_with(settings_factory(api_key="k3y-s3cret")) as gateway:
+        error_of(await gateway.get("/v1/models"), 401, "unauthorized")
+        error_of(await gateway.post(INFER, json={"inputs": [1]}), 401, "unauthorized")
+        wrong = await gateway.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        error_of(wrong, 401, "unauthorized")
+        assert wrong.headers["WWW-Authenticate"] == "Bearer"
+        error_of(await gateway.get("/v1/models", headers={"X-API-Key": "k3y-s3cre"}), 401, "unauthorized")
+        error_of(await gateway.get("/v1/models", headers={"Authorization": "Basic k3y-s3cret"}), 401, "unauthorized")
+
+        assert (await gateway.get("/v1/models", headers={"Authorization": "Bearer k3y-s3cret"})).status_code == 200
+        assert (await gateway.get("/v1/models/synthetic", headers={"X-API-Key": "k3y-s3cret"})).status_code == 200
+        # With the key, an inference request gets past the check (no worker here: 503, not 401).
+        answered = await gateway.post(INFER, json={"inputs": [1]}, headers={"X-API-Key": "k3y-s3cret"})
+        error_of(answered, 503, "unavailable")
+
+        # Probes and scrapes stay open.
+        assert (await gateway.get("/health/live")).status_code == 200
+        assert (await gateway.get("/health/ready")).status_code == 503  # no worker, but not 401
+        assert (await gateway.get("/metrics")).status_code == 200
+        assert (await gateway.get("/status")).status_code == 200
+        assert (await gateway.get("/status.json")).status_code == 200
+
+
+async def test_unknown_route_and_wrong_method_use_the_error_format(gateway: httpx.AsyncClient) -> None:
+    error = error_of(await gateway.get("/v2/nothing"), 404, "not_found")
+    assert error["request_id"] is None
+    wrong_method = await gateway.delete("/v1/models")
+    error = error_of(wrong_method, 405, "method_not_allowed")
+    assert error["request_id"] is None
+    assert "GET" in wrong_method.headers["Allow"]
+    error_of(await gateway.get(INFER), 405, "method_not_allowed")
+
+
+async def test_head_on_health_for_load_balancers(gateway: httpx.AsyncClient) -> None:
+    assert (await gateway.head("/health/live")).status_code == 200
+    assert (await gateway.head("/health/ready")).status_code == 503  # no worker yet
+
+
+async def test_every_error_of_an_inference_request_carries_its_request_id(
+    settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.metrics")
+    settings = settings_factory(models={"synthetic": {"max_inputs_per_request": 2}}, max_body_bytes=1024)
+    async with gateway_with(settings) as gateway:
+        cases = [
+            (await gateway.post("/v1/models/nope/infer", json={"inputs": [1]}), 404, "model_not_found"),
+            (await gateway.post(INFER, content=b"{oops"), 400, "invalid_input"),
+            (await gateway.post(INFER, json={"inputs": []}), 422, "invalid_input"),
+            (await gateway.post(INFER, json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "0"}),
+             422, "invalid_input"),
+            (await gateway.post(INFER, json={"inputs": [1, 2, 3]}), 413, "payload_too_large"),
+            (await gateway.post(INFER, json={"inputs": ["a" * 2000]}), 413, "payload_too_large"),
+            (await gateway.post(INFER, json={"inputs": [1]}), 503, "unavailable"),  # from the Dispatcher
+        ]
+        ids = [error_of(response, status, code)["request_id"] for response, status, code in cases]
+        assert all(isinstance(i, str) and len(i) == 32 for i in ids), ids
+        assert len(set(ids)) == len(ids)
+        # The Dispatcher used the id the route assigned: the 503 it raised and the route's log line agree.
+        logged = [getattr(r, "request_id", None) for r in caplog.records if r.getMessage() == "request done"]
+        assert ids[-1] in logged
