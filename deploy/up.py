@@ -8,6 +8,7 @@ Ctrl-C or SIGTERM stops everything (supervisor stops workers first, Redis last).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -40,6 +41,14 @@ def port_in_use(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
+def env_port(env: dict[str, str], name: str, default: str) -> str:
+    """The port in `env[name]` (else `default`), checked: exits naming the variable when it is not 1-65535."""
+    value = env.get(name, default)
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
+        sys.exit(f"up: {name}={value!r} is not a port number (1-65535)")
+    return value
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -56,13 +65,14 @@ def build_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ)
     run_dir = ROOT / ".run"
     run_dir.mkdir(exist_ok=True)
-    redis_port = env.pop("VRAMGUARD_REDIS_PORT", "6379")  # consumed here; no process setting by that name
+    redis_port = env_port(env, "VRAMGUARD_REDIS_PORT", "6379")
+    env.pop("VRAMGUARD_REDIS_PORT", None)  # consumed here; no process setting by that name
     start_redis = "VRAMGUARD_REDIS_URL" not in env
     if start_redis:
         if port_in_use(int(redis_port)):
             sys.exit(f"up: port {redis_port} is taken; set VRAMGUARD_REDIS_PORT or VRAMGUARD_REDIS_URL")
         env["VRAMGUARD_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
-    env.setdefault("VRAMGUARD_PORT", "8000")
+    env["VRAMGUARD_PORT"] = env_port(env, "VRAMGUARD_PORT", "8000")
     if port_in_use(int(env["VRAMGUARD_PORT"])):
         sys.exit(f"up: port {env['VRAMGUARD_PORT']} is taken; set VRAMGUARD_PORT")
     env.update(
@@ -95,11 +105,46 @@ def check_settings(env: dict[str, str]) -> None:
         os.environ.update(saved)
 
 
-def wait_ready(proc: subprocess.Popen[bytes], port: str) -> bool:
+def fatal_programs(conf: Path, env: dict[str, str]) -> list[str]:
+    """Programs supervisor gave up on (FATAL: they kept exiting at start), from `supervisorctl status`."""
+    ctl = Path(sys.executable).with_name("supervisorctl")
+    out = subprocess.run([str(ctl), "-c", str(conf), "status"], env=env, capture_output=True, text=True, check=False)
+    return [line.split()[0] for line in out.stdout.splitlines() if " FATAL " in f" {line} "]
+
+
+def report_fatal(names: list[str], run_dir: str) -> None:
+    """Say which programs supervisor gave up on and why: the last distinct errors of their logs."""
+    for name in names:
+        log_path = Path(run_dir) / f"{name.split(':')[-1]}.log"
+        print(f"up: {name} cannot start (supervisor gave up); see {log_path}", flush=True)
+        lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+        reasons: list[str] = []
+        for line in lines:
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and event.get("level") in ("ERROR", "CRITICAL"):
+                reason = f"{event.get('message')}: {event.get('error', '')}".rstrip(": ")
+                if reason not in reasons:
+                    reasons.append(reason)
+        for reason in reasons[-3:]:
+            print(f"    {reason[:400]}", flush=True)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str]) -> bool:
+    """Poll /health/ready until 200. Stops early (False) when supervisord exits or gives up on a program."""
     url = f"http://127.0.0.1:{port}/health/ready"
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = ""
+    polls = 0
     while time.monotonic() < deadline and proc.poll() is None:
+        polls += 1
+        if polls % 6 == 0:  # every ~3 s
+            fatal = fatal_programs(conf, env)
+            if fatal:
+                report_fatal(fatal, env["VG_RUN_DIR"])
+                return False
         try:
             response = httpx.get(url, timeout=2.0)
             if response.status_code == 200:
@@ -127,12 +172,18 @@ def main() -> int:
     signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGTERM))
     print(f"up: {args.workers} worker(s) of {args.model}; logs in {env['VG_RUN_DIR']}/", flush=True)
     port = env["VRAMGUARD_PORT"]
-    if wait_ready(proc, port):
-        example = '{"inputs": ["a sentence", "another one"]}' if args.model == "minilm" else '{"inputs": [1, "two"]}'
-        print(f"\nvramguard is ready at http://127.0.0.1:{port}\n"
-              f"  curl -s -X POST http://127.0.0.1:{port}/v1/models/{args.model}/infer "
-              f"-H 'Content-Type: application/json' -d '{example}'\n"
-              f"Ctrl-C stops it.\n", flush=True)
+    if not wait_ready(proc, port, conf, env):
+        if proc.poll() is not None:  # stopped by Ctrl-C or SIGTERM, or supervisord failed
+            return proc.returncode
+        print("up: not ready; stopping. Fix the cause above (or see the logs) and run it again.", flush=True)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return 1
+    example = '{"inputs": ["a sentence", "another one"]}' if args.model == "minilm" else '{"inputs": [1, "two"]}'
+    print(f"\nvramguard is ready at http://127.0.0.1:{port}\n"
+          f"  curl -s -X POST http://127.0.0.1:{port}/v1/models/{args.model}/infer "
+          f"-H 'Content-Type: application/json' -d '{example}'\n"
+          f"Ctrl-C stops it.\n", flush=True)
     return proc.wait()
 
 

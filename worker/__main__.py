@@ -22,8 +22,8 @@ def main() -> int:
 
     try:
         backend = build_backend(settings)
-    except Exception:
-        logging.getLogger("worker").exception("model failed to load")
+    except Exception as exc:
+        logging.getLogger("worker").exception("model failed to load", extra={"error": f"{type(exc).__name__}: {exc}"})
         return ExitCode.STARTUP_FAILED
 
     async def _main() -> int:
