@@ -1,11 +1,11 @@
 """Scenario 7: nothing grows forever.
 
 1. A gateway and two workers; 100 warm-up requests; then Redis' used_memory is recorded.
-2. 50 clients send 10,000 requests. (The issue's figure is 20,000 in 60 s; this machine's two
-   cores, shared with the rest of the suite, serve about 300 requests/s through one gateway,
-   so the test sends 10,000 to stay within the chaos suite's time budget.)
+2. 50 clients send the issue's 20,000 requests as fast as the stack answers them (about 600/s
+   on a quiet 2-core machine, so about 35 s rather than the issue's 60 s: the count is what
+   fills the streams, the pace only changes how long it takes).
 
-Result: all 10,000 get 200 exactly once; afterwards the request stream holds no entry (each was
+Result: all 20,000 get 200 exactly once; afterwards the request stream holds no entry (each was
 acked and deleted together), no entry is pending, the reply stream holds at most its init entry,
 the dead letter is empty, only the two workers' consumers exist, and used_memory is back within
 512 KiB of its value before the load.
@@ -21,7 +21,7 @@ from shared.keys import GROUP, Keys
 from tests.chaos.load import Load
 from tests.helpers import wait_until
 
-REQUESTS = 10_000
+REQUESTS = 20_000
 SLACK_BYTES = 512 * 1024
 
 
