@@ -163,3 +163,54 @@ class Stack:
                 proc.wait()
         for log in self._log_files:
             log.close()  # type: ignore[attr-defined]
+
+
+SUPERVISORD_CONF = """\
+[supervisord]
+nodaemon=true
+logfile={dir}/supervisord.log
+pidfile={dir}/supervisord.pid
+childlogdir={dir}
+
+[program:worker]
+command={python} -m worker
+directory={root}
+autorestart=unexpected
+exitcodes=0
+startsecs=0
+startretries=100
+stopsignal=TERM
+stopwaitsecs=20
+stopasgroup=true
+killasgroup=true
+stdout_logfile={dir}/worker.log
+redirect_stderr=true
+"""
+
+
+class SupervisedWorker:
+    """One `python -m worker` under a real supervisord, restarted on any non-zero exit as
+    deploy/supervisord.conf does; config and logs (supervisord.log, worker.log) in `folder`."""
+
+    def __init__(self, folder: Path, env: dict[str, str]) -> None:
+        self.folder = folder
+        self.env = env
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        conf = self.folder / "supervisord.conf"
+        conf.write_text(SUPERVISORD_CONF.format(dir=self.folder, python=sys.executable, root=ROOT))
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
+                                     env=self.env, cwd=self.folder,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT, RedisServer, Stack, service_env, wait_until
+from tests.helpers import RedisServer, Stack, SupervisedWorker, service_env, wait_until
 
 MIB = 1024 * 1024
 HEARTBEAT_MEMORY_FIELDS = (
@@ -62,49 +59,19 @@ async def test_200_concurrent_requests_on_a_small_simulated_device(stack: Stack)
     assert int(beat["mem_peak_bytes"]) <= int(beat["mem_budget_bytes"])
 
 
-SUPERVISORD_CONF = """\
-[supervisord]
-nodaemon=true
-logfile=%(here)s/supervisord.log
-pidfile=%(here)s/supervisord.pid
-childlogdir=%(here)s
-
-[program:worker]
-command={python} -m worker
-directory={root}
-autorestart=true
-startsecs=1
-startretries=3
-stopsignal=TERM
-stopwaitsecs=10
-stopasgroup=true
-killasgroup=true
-stdout_logfile=%(here)s/worker.log
-redirect_stderr=true
-"""
-
-
 @pytest.fixture
 def supervised_worker(redis_server: RedisServer, key_prefix: str, tmp_path: Path) -> Iterator[Path]:
     """A real supervisord (config generated in tmp_path) running one synthetic worker on the
     simulated device, with the one-shot CUDA error hook at tmp_path/cuda-error. Yields tmp_path."""
-    conf = tmp_path / "supervisord.conf"
-    conf.write_text(SUPERVISORD_CONF.format(python=sys.executable, root=ROOT))
     env = service_env(
         redis_server.url, key_prefix=key_prefix, model="synthetic", device="sim", worker_name="supervised-0",
         block_ms=200, heartbeat_interval_ms=200, heartbeat_ttl_ms=1500, fault_cuda_error_file=tmp_path / "cuda-error",
         models__synthetic__max_wait_ms=200, models__synthetic__params='{"batch_ms": 20}',
     )
-    supervisord = Path(sys.executable).with_name("supervisord")
-    proc = subprocess.Popen([str(supervisord), "-c", str(conf)], env=env, cwd=tmp_path,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    supervised = SupervisedWorker(tmp_path, env)
+    supervised.start()
     yield tmp_path
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    supervised.stop()
 
 
 def logs(folder: Path) -> str:

@@ -3,35 +3,12 @@
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.helpers import ROOT, Stack, service_env, wait_until
-
-SUPERVISOR_CONF = """\
-[supervisord]
-nodaemon=true
-logfile={dir}/supervisord.log
-pidfile={dir}/supervisord.pid
-childlogdir={dir}
-
-[program:worker]
-command={python} -m worker
-directory={root}
-autorestart=unexpected
-exitcodes=0
-startsecs=0
-startretries=100
-stopsignal=TERM
-stopwaitsecs=20
-stdout_logfile={dir}/worker.log
-redirect_stderr=true
-"""
+from tests.helpers import Stack, SupervisedWorker, service_env, wait_until
 
 
 @pytest.mark.slow
@@ -41,13 +18,11 @@ async def test_a_failing_probe_exits_and_supervisor_restarts_the_worker(stack: S
     3. supervisord sees an unexpected exit and starts a fresh process under the same name.
     Result: the gateway sees the worker with a new pid and start time; readiness went 503 between."""
     stack.start_gateway(served_models="synthetic")
-    conf = tmp_path / "supervisord.conf"
-    conf.write_text(SUPERVISOR_CONF.format(dir=tmp_path, python=sys.executable, root=ROOT))
     env = service_env(stack.redis_url, **{**stack.settings, "model": "synthetic", "worker_name": "sup-0",
                                           "fault_injection": "true", "probe_fault": "cuda_error",
                                           "probe_interval_s": 2})
-    supervisord = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)], env=env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    supervised = SupervisedWorker(tmp_path, env)
+    supervised.start()
     try:
         await stack.wait_ready(timeout_s=60)
         lives: set[float] = set()  # started_ms of each ready incarnation of sup-0 seen
@@ -67,5 +42,4 @@ async def test_a_failing_probe_exits_and_supervisor_restarts_the_worker(stack: S
         assert "exited: worker (exit status 6; not expected)" in log, log
         assert '"probe failed"' in (tmp_path / "worker.log").read_text()
     finally:
-        supervisord.send_signal(signal.SIGTERM)
-        supervisord.wait(timeout=30)
+        supervised.stop()
