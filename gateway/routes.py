@@ -16,17 +16,21 @@ from gateway.dispatch import Dispatcher
 from gateway.health import Health
 from gateway.schemas import (
     MAX_TIMEOUT_MS,
+    InferRequest,
     InferResponse,
     ModelInfo,
     ModelList,
+    check_blob,
     check_input_count,
+    check_wire_ints,
     jsonable,
     parse_infer_request,
+    query_parameters,
     validate_inputs,
 )
 from shared.errors import InvalidInputError, PayloadTooLargeError, UnauthorizedError
 from shared.metrics import HISTOGRAM_FIELD
-from shared.models import CATALOGUE
+from shared.models import ModelSpec
 from shared.protocol import RequestId
 from shared.settings import Settings
 
@@ -87,13 +91,15 @@ async def infer(
         record.request_id = request_id
         header_ms = _header_timeout(x_request_timeout_ms)  # checked even when the body wins
         body = await _read_body(request, _settings(request).max_body_bytes)
-        parsed = parse_infer_request(body)
-        check_input_count(model, _settings(request).model_config_for(model), len(parsed.inputs))
-        validate_inputs(CATALOGUE[model], parsed.inputs)
+        spec = _settings(request).spec_for(model)
+        if _media_type(request) in spec.raw_content_types:
+            parsed, inputs = _raw_request(spec, body, request)
+        else:
+            parsed = parse_infer_request(body)
+            check_input_count(model, _settings(request).model_config_for(model), len(parsed.inputs))
+            inputs = validate_inputs(spec, parsed.inputs)
         timeout_ms = parsed.timeout_ms or header_ms
-        _, reply = await dispatcher.submit(
-            model, list(parsed.inputs), dict(parsed.parameters), timeout_ms, request_id=request_id
-        )
+        _, reply = await dispatcher.submit(model, inputs, dict(parsed.parameters), timeout_ms, request_id=request_id)
         record.reply = reply
     return InferResponse(model=model, request_id=request_id, outputs=[jsonable(v) for v in reply.outputs or []])
 
@@ -132,8 +138,23 @@ async def model_ready(model: str, request: Request) -> JSONResponse:
     return JSONResponse(details, status_code=200 if ok else 503)
 
 
+def _media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").partition(";")[0].strip().lower()
+
+
+def _raw_request(spec: ModelSpec, body: bytes, request: Request) -> tuple[InferRequest, list[object]]:
+    """A raw-body request to a bytes model (Content-Type in spec.raw_content_types): the body is the
+    one input, `parameters` come from the query string. Raises InvalidInputError, PayloadTooLargeError."""
+    check_blob(spec, body)
+    parsed = parse_infer_request(b'{"inputs": [0]}')  # the body model, for its defaults
+    parsed.parameters = query_parameters(request.query_params)
+    for name, value in parsed.parameters.items():
+        check_wire_ints(value, f"parameters.{name}")
+    return parsed, [body]
+
+
 def _model_info(request: Request, name: str) -> ModelInfo:
-    spec = CATALOGUE[name]
+    spec = _settings(request).spec_for(name)
     workers = {w: {k: v for k, v in beat.items() if k != HISTOGRAM_FIELD}  # histograms: /metrics only
                for w, beat in _health(request).live_workers(name).items()}
     return ModelInfo(

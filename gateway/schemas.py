@@ -6,14 +6,18 @@ InvalidInputError (422), or 400 for a body that is not JSON at all.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import math
+from collections.abc import Mapping
 from typing import Annotated
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
 from shared.errors import InvalidInputError, PayloadTooLargeError
-from shared.models import InputKind, ModelConfig, ModelSpec
+from shared.models import InputKind, ModelConfig, ModelSpec, OutputSpec
 
 MAX_TEXT_CHARS = 100_000  # per input; minilm truncates to its 256-token window anyway
 MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
@@ -49,7 +53,7 @@ class ModelInfo(BaseModel):
     name: str
     description: str
     input_kind: InputKind
-    output: str
+    output: OutputSpec
     config: ModelConfig
     live_workers: int
     workers: dict[str, dict[str, str]]
@@ -70,13 +74,13 @@ def parse_infer_request(body: bytes) -> InferRequest:
             raise BodyNotJsonError(f"body is not valid JSON: {first['msg']}") from exc
         raise InvalidInputError(_summarise(exc)) from exc
     for i, value in enumerate(parsed.inputs):
-        _check_wire_ints(value, f"inputs[{i}]")
+        check_wire_ints(value, f"inputs[{i}]")
     for name, value in parsed.parameters.items():
-        _check_wire_ints(value, f"parameters.{name}")
+        check_wire_ints(value, f"parameters.{name}")
     return parsed
 
 
-def _check_wire_ints(value: JsonValue, where: str) -> None:
+def check_wire_ints(value: JsonValue, where: str) -> None:
     """Raise InvalidInputError naming `where` for an integer outside the 64-bit range msgpack encodes
     (it would otherwise fail in shared/protocol.py's pack, after validation, as a 500)."""
     if isinstance(value, int) and not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
@@ -88,10 +92,10 @@ def _check_wire_ints(value: JsonValue, where: str) -> None:
         )
     if isinstance(value, list):
         for item in value:
-            _check_wire_ints(item, where)
+            check_wire_ints(item, where)
     elif isinstance(value, dict):
         for item in value.values():
-            _check_wire_ints(item, where)
+            check_wire_ints(item, where)
 
 
 def check_input_count(model: str, config: ModelConfig, n_inputs: int) -> None:
@@ -111,12 +115,17 @@ def _summarise(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validate_inputs(spec: ModelSpec, inputs: list[JsonValue]) -> None:
-    """Check each input against the model's declared kind. Raises InvalidInputError naming the index.
+def validate_inputs(spec: ModelSpec, inputs: list[JsonValue]) -> list[object]:
+    """Check each input against the model's declared kind; returns the inputs as they travel to
+    the worker. Raises InvalidInputError (422) naming the index, PayloadTooLargeError (413).
 
     text: a non-blank string of at most MAX_TEXT_CHARS characters.
     json: any JSON value whose numbers are finite.
+    bytes: a base64 string (RFC 4648, padded) of 1 to spec.max_input_bytes bytes, sent on as
+        bytes (msgpack binary: never base64 inside msgpack).
     """
+    if spec.input_kind is InputKind.BYTES:
+        return [decode_base64_input(spec, value, i) for i, value in enumerate(inputs)]
     for i, value in enumerate(inputs):
         if spec.input_kind is InputKind.TEXT:
             if not isinstance(value, str):
@@ -127,6 +136,43 @@ def validate_inputs(spec: ModelSpec, inputs: list[JsonValue]) -> None:
                 raise InvalidInputError(f"inputs[{i}]: {len(value)} characters, more than {MAX_TEXT_CHARS}")
         elif not _all_finite(value):
             raise InvalidInputError(f"inputs[{i}]: contains a non-finite number")
+    return list(inputs)
+
+
+def decode_base64_input(spec: ModelSpec, value: JsonValue, index: int) -> bytes:
+    """inputs[index] of a bytes model: base64 text -> its bytes, checked by check_blob."""
+    if not isinstance(value, str):
+        raise InvalidInputError(f"inputs[{index}]: model {spec.name!r} takes base64 strings, "
+                                f"got {type(value).__name__}")
+    if len(value) > (spec.max_input_bytes + 2) // 3 * 4 + 4:  # refuse before decoding a huge string
+        raise PayloadTooLargeError(f"inputs[{index}]: more than the model's {spec.max_input_bytes} bytes")
+    try:
+        blob = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInputError(f"inputs[{index}]: not valid base64 (standard alphabet, padded)") from None
+    check_blob(spec, blob, index)
+    return blob
+
+
+def check_blob(spec: ModelSpec, blob: bytes, index: int = 0) -> None:
+    """Raise InvalidInputError for an empty blob, PayloadTooLargeError past spec.max_input_bytes."""
+    if not blob:
+        raise InvalidInputError(f"inputs[{index}]: empty")
+    if len(blob) > spec.max_input_bytes:
+        raise PayloadTooLargeError(f"inputs[{index}]: {len(blob)} bytes, more than the model's {spec.max_input_bytes}")
+
+
+def query_parameters(query: Mapping[str, str]) -> dict[str, JsonValue]:
+    """A raw-body request's `parameters`, from its query string: each value read as a JSON scalar
+    when it is one (`top_k=3` -> 3, `logits=true` -> true), else kept as text."""
+    params: dict[str, JsonValue] = {}
+    for name, text in query.items():
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        params[name] = value if isinstance(value, str | int | float | bool) and _all_finite(value) else text
+    return params
 
 
 def _all_finite(value: JsonValue) -> bool:

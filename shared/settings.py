@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.models import CATALOGUE, ModelConfig, ModelOverrides
+from shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelSpec, load_models_file
 
 ENV_PREFIX = "VRAMGUARD_"
 
@@ -46,6 +46,9 @@ class Settings(BaseSettings):
     served_models: Annotated[list[str], NoDecode] = ["minilm"]  # gateway: comma-separated names
     model: str = "minilm"  # worker: the one model this process serves
     models: dict[str, ModelOverrides] = Field(default_factory=dict)
+    # A TOML file of the user's own models (shared/models.py `load_models_file`); gateway and
+    # workers read the same file, so the gateway knows each model's description without its code.
+    models_file: str | None = None
     device: Literal["auto", "cpu", "cuda", "sim"] = "auto"
     torch_threads: int = Field(0, ge=0)  # 0 = torch's default
     worker_name: str | None = None  # consumer name; stable across restarts when set (supervisor sets it)
@@ -98,6 +101,8 @@ class Settings(BaseSettings):
     # A consumer idle this long with no pending entries is a dead worker's; XGROUP DELCONSUMER removes it.
     consumer_idle_ms: int = Field(600_000, ge=1000)
 
+    _catalogue: dict[str, ModelSpec] = PrivateAttr(default_factory=lambda: dict(BUILTIN))
+
     @field_validator("served_models", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
@@ -107,9 +112,11 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
+        if self.models_file is not None:
+            self._catalogue = {**BUILTIN, **load_models_file(self.models_file)}
         for name in {*self.served_models, self.model, *self.models}:
-            if name not in CATALOGUE:
-                raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(CATALOGUE))}")
+            if name not in self._catalogue:
+                raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(self._catalogue))}")
         if not self.served_models:
             raise ValueError("served_models is empty")
         if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
@@ -149,7 +156,7 @@ class Settings(BaseSettings):
 
         Raises KeyError for a name outside the catalogue, ValueError for an invalid mix.
         """
-        base = CATALOGUE[name].defaults
+        base = self._catalogue[name].defaults
         override = self.models.get(name)
         if override is None:
             return base
@@ -157,6 +164,15 @@ class Settings(BaseSettings):
         if "params" in changes:
             changes["params"] = {**base.params, **changes["params"]}
         return ModelConfig.model_validate({**base.model_dump(), **changes})
+
+    @property
+    def catalogue(self) -> dict[str, ModelSpec]:
+        """Every model this process knows: the built-in ones and those of `models_file`."""
+        return self._catalogue
+
+    def spec_for(self, name: str) -> ModelSpec:
+        """The catalogue entry of `name`. Raises KeyError for an unknown name."""
+        return self._catalogue[name]
 
     @property
     def consumer_name(self) -> str:

@@ -18,10 +18,15 @@ def main() -> int:
         print(f"vramguard worker: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, "worker")
+    from worker.models import BackendContractError
     from worker.runner import ExitCode, Worker  # after logging: torch and model imports log
 
     try:
         backend = build_backend(settings)
+    except BackendContractError as exc:  # the user's to fix; no traceback, the message says what
+        logging.getLogger("worker").error("model is not servable", extra={"error": str(exc)})
+        print(f"vramguard worker: {exc}", file=sys.stderr)
+        return ExitCode.MODEL_INVALID
     except Exception as exc:
         logging.getLogger("worker").exception("model failed to load", extra={"error": f"{type(exc).__name__}: {exc}"})
         return ExitCode.STARTUP_FAILED

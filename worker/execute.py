@@ -179,7 +179,7 @@ def _forward(backend: ModelBackend, items: Sequence[object], stats: BatchStats) 
     per_item = backend.split(outputs, len(items))
     if len(per_item) != len(items):
         raise ModelError(f"{backend.name} returned {len(per_item)} outputs for a batch of {len(items)}")
-    return [ItemResult(output=backend.encode(out)) for out in per_item]
+    return [ItemResult(output=backend.encode(item, out)) for item, out in zip(items, per_item, strict=True)]
 
 
 def _failure(exc: Exception) -> ItemResult:

@@ -14,7 +14,7 @@ import sys
 
 from tqdm import tqdm
 
-from shared.models import CATALOGUE
+from shared.models import BUILTIN
 from shared.settings import Settings, SettingsError
 
 MIB = 1024 * 1024
@@ -23,7 +23,7 @@ MIB = 1024 * 1024
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=sorted(CATALOGUE))
+    parser.add_argument("--model", required=True, choices=sorted(BUILTIN))
     parser.add_argument("--device", choices=["cuda", "cpu", "sim"], help="default: VRAMGUARD_DEVICE (auto)")
     parser.add_argument("--total-bytes", type=int, help="plan for a device of this size (a GPU you don't have yet); "
                         "on sim, the simulated device's size")
@@ -45,7 +45,7 @@ def profile(settings: Settings, total_bytes: int | None, progress: bool = True) 
     sim_bytes = total_bytes if (total_bytes and backend.device == "sim") else settings.sim_memory_bytes
 
     def warm_up() -> None:
-        run_batch(backend, backend.decode(backend.example_inputs()), config.max_batch_size)
+        run_batch(backend, backend.decode(backend.example_inputs(), {}), config.max_batch_size)
         bar.reset(total=len(measurement_grid(backend.max_item_cost, config.max_batch_size)))
 
     with tqdm(desc=f"measuring {settings.model}", unit="forward", disable=not progress, file=sys.stderr) as bar:

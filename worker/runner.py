@@ -34,6 +34,7 @@ from worker.execute import CudaContextLost, run_batch
 from worker.heartbeat import Heartbeat, WorkerStats
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from worker.metrics import WorkerMetrics
+from worker.models import BackendContractError, check_output
 from worker.reclaim import Reclaimer
 from worker.serve import BatchServer
 from worker.watchdog import Watchdog
@@ -49,6 +50,7 @@ class ExitCode(IntEnum):
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row (issue 5)
+    MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
 
 
 class Worker:
@@ -124,6 +126,9 @@ class Worker:
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
             log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
+        except BackendContractError as exc:
+            log.error("model does not follow its declared contract", extra={"error": str(exc)})
+            return ExitCode.MODEL_INVALID
         budget = self.budget
         assert budget is not None
         self._server = BatchServer(
@@ -174,11 +179,13 @@ class Worker:
         log.info("memory plan", extra={"model": s.model, "worker_id": self.worker_id, **self.budget.plan.as_dict()})
 
     def _run_examples(self) -> None:
-        items = self.backend.decode(self.backend.example_inputs())
+        items = self.backend.decode(self.backend.example_inputs(), {})
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
         failed = [r.error_message for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"warmup failed: {failed[0]}")
+        for result in results:
+            check_output(self.settings.spec_for(self.settings.model), result.output)
 
     async def _serve_forever(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> None:
         batcher = Batcher(

@@ -64,7 +64,7 @@ class BatchServer:
         for the memory budget) go out first. Returns False when the device context was lost: the
         rest of the batch stays pending, un-acked, for a fresh process to reclaim."""
         batch_start_ms = now_ms()
-        outgoing, dead, live = self._triage(entries, batch_start_ms)
+        outgoing, dead, live = await asyncio.to_thread(self._triage, entries, batch_start_ms)  # decode: CPU work
         costs = await asyncio.to_thread(lambda: [[self._backend.item_cost(i) for i in items] for _e, items in live])
         outgoing.extend(self._refuse_too_large(live, costs))
         kept = [k for k, c in enumerate(costs) if self._fits_alone(c)]
@@ -179,7 +179,7 @@ class BatchServer:
                 outgoing.append(self._failure(entry, DeadlineExceededError.code, "deadline passed while queued"))
                 continue
             try:
-                live.append((entry, self._backend.decode(msg.inputs)))
+                live.append((entry, self._backend.decode(msg.inputs, msg.parameters)))
             except InvalidInputError as exc:
                 outgoing.append(self._failure(entry, exc.code, exc.message))
         return outgoing, dead, live

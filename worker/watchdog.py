@@ -92,7 +92,7 @@ class Watchdog:
 
     def _forward(self) -> None:
         inputs: list[object] = self._backend.example_inputs() if self._fault == "none" else [{"fault": self._fault}]
-        items = self._backend.decode(inputs)
+        items = self._backend.decode(inputs, {})
         outputs = self._backend.forward(self._backend.collate(items))
         if len(self._backend.split(outputs, len(items))) != len(items):
             raise ModelError("probe returned the wrong number of outputs")

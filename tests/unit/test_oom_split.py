@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shared.models import ModelConfig
+from shared.settings import Settings
 from worker.accounting import SimAccounting
 from worker.costing import group_by_cost
 from worker.execute import CudaContextLost, chunk_by_cost, run_batch
@@ -18,7 +19,7 @@ from worker.simdevice import MIB
 def make_budget():  # type: ignore[no-untyped-def]
     def make(total_mib: int, **kwargs: object) -> tuple[SyntheticBackend, MemoryBudget]:
         p = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4, **kwargs.pop("params", {})}  # type: ignore[dict-item]
-        backend = SyntheticBackend(ModelConfig(params=p), "sim", fault_injection=True)
+        backend = SyntheticBackend(ModelConfig(params=p), "sim", Settings(fault_injection=True))
         budget = start_budget(backend, sim_memory_bytes=total_mib * MIB, watermark=0.8, workers_per_gpu=1,
                               max_batch_size_cap=int(kwargs.pop("cap", 64)), planner=bool(kwargs.pop("planner", True)),
                               success_run=4)

@@ -5,7 +5,7 @@ inputs longer than the model's 256-token window are truncated, as sentence-trans
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -13,6 +13,7 @@ import torch
 
 from shared.errors import InvalidInputError, ModelError
 from shared.models import ModelConfig
+from shared.settings import Settings
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -25,7 +26,7 @@ class MiniLMBackend:
 
     name = "minilm"
 
-    def __init__(self, config: ModelConfig, device: str) -> None:
+    def __init__(self, config: ModelConfig, device: str, settings: Settings | None = None) -> None:
         if config.params:
             raise ValueError(f"minilm takes no params, got {sorted(config.params)}")
         if device == "sim":
@@ -52,7 +53,7 @@ class MiniLMBackend:
         """The model's sequence window in tokens (256 for all-MiniLM-L6-v2)."""
         return int(cast(int, self.model.max_seq_length))  # typed int | None; set (256) for this model
 
-    def decode(self, inputs: list[object]) -> list[object]:
+    def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
         for i, text in enumerate(inputs):
             if not isinstance(text, str) or not text.strip():
                 raise InvalidInputError(f"inputs[{i}]: minilm takes non-empty strings")
@@ -86,8 +87,8 @@ class MiniLMBackend:
             raise ModelError(f"minilm returned shape {outputs.shape} for {n_items} items")
         return list(outputs)
 
-    def encode(self, item_output: object) -> object:
-        return item_output
+    def encode(self, item: object, output: object) -> object:
+        return output
 
     def example_inputs(self) -> list[object]:
         return ["warm up the tokenizer and the model", "a second, somewhat longer sentence for the warmup batch"]

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from shared.errors import ModelError
 from shared.models import ModelConfig
+from shared.settings import Settings
 from worker import simdevice
 from worker.simdevice import SimDevice
 
@@ -48,9 +49,7 @@ class SyntheticBackend:
 
     name = "synthetic"
 
-    def __init__(
-        self, config: ModelConfig, device: str, *, fault_injection: bool = False, fault_file: str | None = None
-    ) -> None:
+    def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         unknown = set(config.params) - KNOWN_PARAMS
         if unknown:
             raise ValueError(f"synthetic: unknown params {sorted(unknown)}; known: {sorted(KNOWN_PARAMS)}")
@@ -58,8 +57,8 @@ class SyntheticBackend:
         if p["max_tokens"] < 1:
             raise ValueError("synthetic: params.max_tokens must be >= 1")
         self.device = device
-        self.fault_injection = fault_injection
-        self.fault_file = Path(fault_file) if fault_file else None
+        self.fault_injection = settings.fault_injection
+        self.fault_file = Path(settings.fault_cuda_error_file) if settings.fault_cuda_error_file else None
         self.batch_ms, self.item_ms = p["batch_ms"], p["item_ms"]
         self.weights_bytes, self.fixed_bytes = int(p["weights_mib"] * MIB), int(p["fixed_mib"] * MIB)
         self.unit_bytes = p["item_mib"] * MIB
@@ -71,7 +70,7 @@ class SyntheticBackend:
             self._sim = simdevice.current()
             self._sim.allocate(self.weights_bytes)
 
-    def decode(self, inputs: list[object]) -> list[object]:
+    def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
         return list(inputs)
 
     @property
@@ -121,8 +120,8 @@ class SyntheticBackend:
             raise ModelError(f"synthetic returned {len(outputs)} outputs for {n_items} items")
         return outputs
 
-    def encode(self, item_output: object) -> object:
-        return item_output
+    def encode(self, item: object, output: object) -> object:
+        return output
 
     def example_inputs(self) -> list[object]:
         return [[0.0, 1.0], "warmup"]

@@ -1,0 +1,1 @@
+"""An example model package for vramguard: see serving.py and ../models.toml."""
