@@ -16,7 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.clock import monotonic_ms, now_ms
-from shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError
+from shared.errors import DeadlineExceededError, InputTooLargeError, ModelError, VramguardError
 from shared.keys import Keys
 from shared.models import ModelConfig
 from shared.protocol import EntryId, ReplyMessage
@@ -180,8 +180,11 @@ class BatchServer:
                 continue
             try:
                 live.append((entry, self._backend.decode(msg.inputs, msg.parameters)))
-            except InvalidInputError as exc:
+            except VramguardError as exc:  # InvalidInputError 422, InputTooLargeError 413: this request only
                 outgoing.append(self._failure(entry, exc.code, exc.message))
+            except Exception as exc:  # noqa: BLE001 - a bug in a model's decode fails its request, not the batch
+                log.exception("decode raised", extra={"entry_id": entry.entry_id})
+                outgoing.append(self._failure(entry, ModelError.code, f"decode raised {type(exc).__name__}: {exc}"))
         return outgoing, dead, live
 
     def _failure(self, entry: Entry, code: str, message: str) -> Outgoing:

@@ -1,0 +1,85 @@
+"""The efficientnet image classifier through real processes: a real photo classified sensibly, as
+base64 in JSON and as a raw body; hostile images each get a clear 4xx or a correct answer, sent
+together so they share batches with good ones, and the worker survives them all."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from matplotlib import cbook
+from PIL import Image
+
+from tests.helpers import Stack
+
+HOPPER = cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)  # ships with matplotlib
+
+
+def encoded(image: Image.Image, format: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=format)
+    return buffer.getvalue()
+
+
+def hostile_images(photo: bytes) -> dict[str, tuple[bytes, set[int]]]:
+    """name -> (bytes, the statuses that are a correct answer)."""
+    sixteen_bit = Image.fromarray((np.arange(48 * 64).reshape(48, 64) * 20).astype(np.uint16))
+    assert sixteen_bit.mode == "I;16"
+    return {
+        "truncated": (photo[: len(photo) // 2], {422}),
+        "not an image": (b"%PDF-1.4 certainly not a picture", {422}),
+        "20000x20000 bomb": (encoded(Image.new("1", (20_000, 20_000))), {413}),  # ~50 KB of PNG
+        "1x1": (encoded(Image.new("RGB", (1, 1), (255, 0, 0))), {200}),
+        "CMYK JPEG": (encoded(Image.open(io.BytesIO(photo)).convert("CMYK"), "JPEG"), {200}),
+        "16-bit PNG": (encoded(sixteen_bit), {200}),
+        "10000x1": (encoded(Image.new("RGB", (10_000, 1))), {200}),
+    }
+
+
+@pytest.mark.slow
+async def test_image_classifier_end_to_end_with_hostile_inputs(stack: Stack) -> None:
+    stack.start_gateway(served_models="efficientnet")
+    worker = stack.start_worker(model="efficientnet", models__efficientnet__max_wait_ms=50)
+    await stack.wait_ready()
+    photo = Path(HOPPER).read_bytes()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+        # 1. Base64 in JSON: Grace Hopper in uniform; top_k honoured; logits on request.
+        body = {"inputs": [base64.b64encode(photo).decode()], "parameters": {"top_k": 3, "logits": True}}
+        response = await client.post("/v1/models/efficientnet/infer", json=body)
+        assert response.status_code == 200, response.text
+        (output,) = response.json()["outputs"]
+        assert len(output["labels"]) == 3 and len(output["logits"]) == 1000
+        assert "military uniform" in [label["label"] for label in output["labels"]], output["labels"]
+
+        # 2. The raw body, one image per request; parameters from the query string; default top_k 5.
+        raw = await client.post("/v1/models/efficientnet/infer", content=photo, headers={"Content-Type": "image/jpeg"})
+        assert raw.status_code == 200, raw.text
+        labels = raw.json()["outputs"][0]["labels"]
+        assert len(labels) == 5 and "logits" not in raw.json()["outputs"][0]
+        assert labels[0]["probability"] >= labels[-1]["probability"] > 0
+        bad_k = await client.post("/v1/models/efficientnet/infer?top_k=0", content=photo,
+                                  headers={"Content-Type": "application/octet-stream"})
+        assert bad_k.status_code == 422 and "top_k" in bad_k.json()["error"]["message"]
+
+        # 3. Hostile images, all at once with good ones so they share batches.
+        cases = hostile_images(photo)
+        sends = [client.post("/v1/models/efficientnet/infer", content=blob,
+                             headers={"Content-Type": "application/octet-stream"}) for blob, _ in cases.values()]
+        sends += [client.post("/v1/models/efficientnet/infer", content=photo,
+                              headers={"Content-Type": "image/jpeg"}) for _ in range(4)]
+        replies = await asyncio.gather(*sends)
+        for (name, (_, allowed)), reply in zip(cases.items(), replies, strict=False):
+            assert reply.status_code in allowed, (name, reply.status_code, reply.text)
+            if reply.status_code != 200:
+                assert reply.json()["error"]["message"], name
+        assert all(r.status_code == 200 for r in replies[len(cases):])
+
+        # 4. The worker is alive and still answers.
+        assert worker.poll() is None, stack.logs()
+        again = await client.post("/v1/models/efficientnet/infer", content=photo, headers={"Content-Type": "image/jpeg"})
+        assert again.status_code == 200
