@@ -116,6 +116,8 @@ class ModelSpec(BaseModel):
     raw_content_types: bytes inputs: media types the native route accepts as one raw input
         (the body is the blob, `parameters` come from the query string).
     output: the declared per-item output (OutputSpec).
+    options: the backend's own settings that are not numbers (an engine's URL, a model name),
+        read by its constructor from `settings.spec_for(settings.model).options`.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -127,6 +129,7 @@ class ModelSpec(BaseModel):
     max_input_bytes: int = Field(8 * 1024 * 1024, ge=1)
     raw_content_types: tuple[str, ...] = ()
     output: OutputSpec
+    options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     defaults: ModelConfig = Field(default_factory=ModelConfig)
 
     @model_validator(mode="after")

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from shared.errors import InputTooLargeError, ModelError, VramguardError
+from shared.errors import InputTooLargeError, ModelError, UnavailableError, VramguardError
 from worker.backend import ModelBackend, is_cuda_error
 from worker.memory import MemoryBudget
 
@@ -164,6 +164,9 @@ class _Compute:
     def _after_failure(self, items: list[object], costs: list[int], exc: Exception) -> list[ItemResult]:
         if is_cuda_error(exc):
             raise CudaContextLost(str(exc)) from exc
+        if isinstance(exc, UnavailableError):  # an engine the model calls is down: no item is to blame, no retry
+            self.stats.items_failed += len(items)
+            return [_failure(exc) for _ in items]
         if len(items) == 1:
             self.stats.items_failed += 1
             return [_failure(exc)]

@@ -124,3 +124,8 @@ def test_importing_the_contract_pulls_in_neither_torch_nor_fastapi() -> None:
     code = "import sys, vramguard; print(sorted({'torch', 'fastapi'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_engine_backend_follows_the_contract() -> None:
+    spec = BUILTIN["minilm"].model_copy(update={"backend": "worker.models.openai_engine:OpenAIEmbeddingsBackend"})
+    import_backend_class(spec)

@@ -119,7 +119,7 @@ class EfficientNetBackend:
         """Two small PNGs made here (grey and a colour gradient), so the warmup runs the real decoder."""
         grey = Image.new("RGB", (64, 48), (128, 128, 128))
         ramp = Image.fromarray(np.linspace(0, 255, 96 * 96 * 3).astype(np.uint8).reshape(96, 96, 3))
-        blobs = []
+        blobs: list[object] = []
         for image in (grey, ramp):
             buffer = io.BytesIO()
             image.save(buffer, format="PNG")
@@ -154,8 +154,9 @@ def decode_image(blob: bytes, index: int = 0) -> np.ndarray:
             box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
             image.draft("RGB", (INPUT_SIZE, INPUT_SIZE))  # JPEG: decode at a reduced scale when it is larger
             scale = image.size[0] / width  # draft may have shrunk the image; the box follows
+            left, top, right, bottom = (c * scale for c in box)
             rgb = _to_rgb(image).resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR,
-                                        box=tuple(c * scale for c in box))
+                                        box=(left, top, right, bottom))
     except Image.DecompressionBombError as exc:
         raise InputTooLargeError(f"inputs[{index}]: {exc}") from None
     except _DECODE_ERRORS as exc:
