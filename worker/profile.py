@@ -23,7 +23,8 @@ MIB = 1024 * 1024
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, choices=sorted(BUILTIN))
+    parser.add_argument("--model", required=True, help=f"a built-in model ({', '.join(sorted(BUILTIN))}) "
+                        "or one of VRAMGUARD_MODELS_FILE")
     parser.add_argument("--device", choices=["cuda", "cpu", "sim"], help="default: VRAMGUARD_DEVICE (auto)")
     parser.add_argument("--total-bytes", type=int, help="plan for a device of this size (a GPU you don't have yet); "
                         "on sim, the simulated device's size")

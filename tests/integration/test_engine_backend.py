@@ -27,7 +27,8 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(404, {"error": {"message": "not found"}})
         if "refuse me" in body["input"]:
             return self._send(400, {"error": {"message": "input refused by the engine"}})
-        data = [{"object": "embedding", "index": i, "embedding": stub_embedding(t)} for i, t in enumerate(body["input"])]
+        data = [{"object": "embedding", "index": i, "embedding": stub_embedding(text)}
+                for i, text in enumerate(body["input"])]
         self._send(200, {"object": "list", "model": body["model"], "data": data[::-1]})  # any order: index rules
 
     def _send(self, status: int, payload: object) -> None:

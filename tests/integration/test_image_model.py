@@ -81,5 +81,6 @@ async def test_image_classifier_end_to_end_with_hostile_inputs(stack: Stack) -> 
 
         # 4. The worker is alive and still answers.
         assert worker.poll() is None, stack.logs()
-        again = await client.post("/v1/models/efficientnet/infer", content=photo, headers={"Content-Type": "image/jpeg"})
+        again = await client.post("/v1/models/efficientnet/infer", content=photo,
+                                  headers={"Content-Type": "image/jpeg"})
         assert again.status_code == 200

@@ -50,8 +50,10 @@ def run_worker(env: dict[str, str], timeout_s: float = 120) -> subprocess.Comple
                           timeout=timeout_s, check=False)
 
 
-def write_models_file(folder: Path, backend: str, output: str = '{ kind = "tensor", datatype = "float32", shape = [3] }',
-                      ) -> Path:
+TENSOR_3 = '{ kind = "tensor", datatype = "float32", shape = [3] }'
+
+
+def write_models_file(folder: Path, backend: str, output: str = TENSOR_3) -> Path:
     path = folder / "models.toml"
     path.write_text(f'[mine]\nbackend = "{backend}"\ndescription = "test"\ninput_kind = "json"\noutput = {output}\n')
     return path
