@@ -118,7 +118,7 @@ def write_report(out_dir: Path) -> Path:
     fig = summary_figures(groups)
     plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
     parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
-             _peer(groups, fig), _scale(groups, fig)]
+             _peer(groups, fig), _scale(groups, fig), _image(groups)]
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
@@ -242,3 +242,16 @@ def _scale(groups: dict[str, list[Record]], fig: Figures) -> str:
             "to 64), where only the gateway, Redis and the client do work.\n\n"
             + table(["configuration", "conc.", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "mean batch",
                      "queue delay ms", "requests"], rows))
+
+
+def _image(groups: dict[str, list[Record]]) -> str:
+    records, limits = groups.get("image", []), groups.get("image-limit", [])
+    if not records or not limits:
+        return ""
+    limit = limits[0]
+    ceiling = float(limit["items_per_s"])  # type: ignore[arg-type]
+    return ("## Image model: efficientnet (one 512x600 JPEG per request, base64 in JSON)\n\n"
+            f"In-process ceiling (bench/image.py: decode + resize + forward + top-5 encode in one process, batch "
+            f"{limit['batch_size']}, {limit['torch_threads']} torch threads): **{ceiling} items/s**. "
+            "'% of limit' is the served items/s over it.\n\n"
+            + table(SERVING_HEADERS, serving_rows(records, ceiling)))

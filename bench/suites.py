@@ -6,6 +6,7 @@ load point) tagged with `suite` and `config`:
     strategies  the seed's strategies as vramguard settings on minilm, plus the naive baseline
     peer        vramguard vs LitServe, same batch size and window, alternating A B A B
     scale       synthetic workers 1, 2, 4, 8 and the gateway's ceiling with instant workers
+    image       efficientnet at concurrency 1 and 32 against its in-process ceiling (bench/image.py)
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -61,11 +62,13 @@ class Service(Protocol):
     def pids(self) -> list[int]: ...
 
 
-def measure(service: Service, cfg: BenchConfig, concurrency: int, **tags: object) -> dict[str, object]:
+def measure(service: Service, cfg: BenchConfig, concurrency: int, *,
+            bodies: Callable[[], dict[str, object]] | None = None, **tags: object) -> dict[str, object]:
     """One load point against a started service: load stats, the workers' view (vramguard only)
-    and peak RSS of the service's processes."""
+    and peak RSS of the service's processes. `bodies` makes each request body (default: one
+    sentence of the corpus each)."""
     before = service.counters()
-    bodies = body_cycle(load_corpus(), lambda text: {"inputs": [text]})
+    bodies = bodies or body_cycle(load_corpus(), lambda text: {"inputs": [text]})
     label = f"{tags.get('config', service.name)} c={concurrency}"
     run = asyncio.run(run_point(service.infer_url, bodies, concurrency=concurrency, duration_s=cfg.duration_s,
                                 warmup_s=cfg.warmup_s, label=label, progress=cfg.progress))
@@ -192,4 +195,12 @@ def scale(cfg: BenchConfig) -> Records:
         service.stop()
 
 
-SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale}
+def image(cfg: BenchConfig) -> Records:
+    """The image model (efficientnet) at concurrency 1 and 32 against its in-process ceiling."""
+    from bench.image import image as image_suite
+
+    yield from image_suite(cfg)
+
+
+SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale,
+          "image": image}
