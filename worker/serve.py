@@ -179,7 +179,10 @@ class BatchServer:
                 outgoing.append(self._failure(entry, DeadlineExceededError.code, "deadline passed while queued"))
                 continue
             try:
-                live.append((entry, self._backend.decode(msg.inputs, msg.parameters)))
+                items = self._backend.decode(msg.inputs, msg.parameters)
+                if len(items) != len(msg.inputs):  # else replies would pair outputs with the wrong inputs
+                    raise ModelError(f"decode returned {len(items)} items for {len(msg.inputs)} inputs")
+                live.append((entry, items))
             except VramguardError as exc:  # InvalidInputError 422, InputTooLargeError 413: this request only
                 outgoing.append(self._failure(entry, exc.code, exc.message))
             except Exception as exc:  # noqa: BLE001 - a bug in a model's decode fails its request, not the batch

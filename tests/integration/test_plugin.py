@@ -4,6 +4,7 @@ served (exit code MODEL_INVALID and a message that names the problem, never a tr
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 from pathlib import Path
@@ -113,3 +114,40 @@ def test_invalid_models_file_stops_a_service_naming_the_entry(tmp_path: Path, re
     result = run_worker(service_env(redis_server.url, model="mine", models_file=path))
     assert result.returncode == 2
     assert "[mine] input_kind" in result.stderr and str(path) in result.stderr
+
+
+@pytest.mark.slow
+async def test_decode_that_raises_or_miscounts_fails_that_request_only(
+    stack: Stack, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "miscount.py").write_text(
+        "class Backend:\n"
+        "    max_item_cost = 1\n"
+        "    def __init__(self, config, device, settings): self.name, self.device = 'mine', device\n"
+        "    def load(self): pass\n"
+        "    def decode(self, inputs, parameters):\n"
+        "        if 'boom' in inputs: raise RuntimeError('decoder bug')\n"
+        "        return list(inputs[:1])  # drops all but the first\n"
+        "    def item_cost(self, item): return 1\n"
+        "    def sample_item(self, cost): return 0\n"
+        "    def collate(self, items): return list(items)\n"
+        "    def forward(self, batch): return batch\n"
+        "    def split(self, outputs, n_items): return outputs\n"
+        "    def encode(self, item, output): return output\n"
+        "    def example_inputs(self): return [1]\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    path = write_models_file(tmp_path, "miscount:Backend", output='{ kind = "json" }')
+    stack.start_gateway(served_models="mine", models_file=path)
+    stack.start_worker(model="mine", models_file=path)
+    await stack.wait_ready()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        one = await client.post("/v1/models/mine/infer", json={"inputs": [7]})
+        assert one.status_code == 200 and one.json()["outputs"] == [7]
+        two = await client.post("/v1/models/mine/infer", json={"inputs": [7, 8]})
+        assert two.status_code == 500, two.text
+        assert "decode returned 1 items for 2 inputs" in two.json()["error"]["message"]
+        boom, fine = await asyncio.gather(client.post("/v1/models/mine/infer", json={"inputs": ["boom"]}),
+                                          client.post("/v1/models/mine/infer", json={"inputs": [9]}))
+        assert boom.status_code == 500 and "RuntimeError: decoder bug" in boom.json()["error"]["message"]
+        assert fine.status_code == 200 and fine.json()["outputs"] == [9]
