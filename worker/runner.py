@@ -24,6 +24,7 @@ from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from shared.clock import monotonic_ms
+from shared.errors import UnavailableError
 from shared.keys import GROUP, Keys
 from shared.protocol import EntryId
 from shared.redis_client import connect, connect_blocking
@@ -129,6 +130,9 @@ class Worker:
         except BackendContractError as exc:
             log.error("model does not follow its declared contract", extra={"error": str(exc)})
             return ExitCode.MODEL_INVALID
+        except UnavailableError as exc:  # an engine the model calls is down: a restart may find it up
+            log.error("a service the model needs is unavailable at start", extra={"error": exc.message})
+            return ExitCode.STARTUP_FAILED
         budget = self.budget
         assert budget is not None
         self._server = BatchServer(
@@ -179,13 +183,21 @@ class Worker:
         log.info("memory plan", extra={"model": s.model, "worker_id": self.worker_id, **self.budget.plan.as_dict()})
 
     def _run_examples(self) -> None:
-        items = self.backend.decode(self.backend.example_inputs(), {})
+        """The warmup batch. Raises BackendContractError when the model fails its own example inputs
+        or returns what it does not declare, UnavailableError when an engine it calls is down."""
+        model = self.settings.model
+        try:
+            items = self.backend.decode(self.backend.example_inputs(), {})
+        except Exception as exc:
+            raise BackendContractError(f"model {model!r}: decode(example_inputs()) raised {exc!r}") from exc
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
-        failed = [r.error_message for r in results if not r.ok]
-        if failed:
-            raise RuntimeError(f"warmup failed: {failed[0]}")
+        failed = next((r for r in results if not r.ok), None)
+        if failed is not None and failed.error_code == UnavailableError.code:
+            raise UnavailableError(f"warmup: {failed.error_message}")
+        if failed is not None:
+            raise BackendContractError(f"model {model!r}: the warmup batch failed: {failed.error_message}")
         for result in results:
-            check_output(self.settings.spec_for(self.settings.model), result.output)
+            check_output(self.settings.spec_for(model), result.output)
 
     async def _serve_forever(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> None:
         batcher = Batcher(

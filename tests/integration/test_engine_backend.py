@@ -5,6 +5,8 @@ and worker. Engine down: 503 naming the engine, the worker stays up; engine back
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Stack, free_port
+from tests.helpers import ROOT, RedisServer, Stack, free_port, service_env
+from worker.runner import ExitCode
 
 
 def stub_embedding(text: str) -> list[float]:
@@ -108,3 +111,12 @@ async def test_engine_down_is_503_and_service_resumes_when_it_is_back(
         assert back.status_code == 200, back.text
         assert back.json()["outputs"] == [stub_embedding(t) for t in texts]
     assert worker.poll() is None, stack.logs()
+
+
+def test_engine_down_at_start_is_a_start_failure_naming_it(tmp_path: Path, redis_server: RedisServer) -> None:
+    port = free_port()  # nothing listens here
+    env = service_env(redis_server.url, model="embedder", models_file=models_file(tmp_path, port))
+    result = subprocess.run([sys.executable, "-m", "worker"], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120, check=False)
+    assert result.returncode == ExitCode.STARTUP_FAILED, result.stderr
+    assert "unavailable at start" in result.stderr and f"127.0.0.1:{port}/v1/embeddings" in result.stderr

@@ -151,3 +151,27 @@ async def test_decode_that_raises_or_miscounts_fails_that_request_only(
                                           client.post("/v1/models/mine/infer", json={"inputs": [9]}))
         assert boom.status_code == 500 and "RuntimeError: decoder bug" in boom.json()["error"]["message"]
         assert fine.status_code == 200 and fine.json()["outputs"] == [9]
+
+
+def test_model_failing_its_own_warmup_stops_the_worker_at_start(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "broken_forward.py").write_text(
+        "class Backend:\n"
+        "    max_item_cost = 1\n"
+        "    def __init__(self, config, device, settings): self.name, self.device = 'mine', device\n"
+        "    def load(self): pass\n"
+        "    def decode(self, inputs, parameters): return list(inputs)\n"
+        "    def item_cost(self, item): return 1\n"
+        "    def sample_item(self, cost): return 0\n"
+        "    def collate(self, items): return list(items)\n"
+        "    def forward(self, batch): raise ValueError('weights and input disagree')\n"
+        "    def split(self, outputs, n_items): return outputs\n"
+        "    def encode(self, item, output): return output\n"
+        "    def example_inputs(self): return [1]\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    models_file = write_models_file(tmp_path, "broken_forward:Backend", output='{ kind = "json" }')
+    result = run_worker(service_env(redis_server.url, model="mine", models_file=models_file))
+    assert result.returncode == ExitCode.MODEL_INVALID, result.stderr
+    assert "the warmup batch failed" in result.stderr and "weights and input disagree" in result.stderr
