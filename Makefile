@@ -53,7 +53,7 @@ bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(BIN)/pip install --quiet ruff mypy
-	$(BIN)/ruff check shared gateway worker tests deploy bench
+	$(BIN)/ruff check shared gateway worker tests deploy bench vramguard examples
 	$(BIN)/mypy
 
 clean:
