@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from PIL import Image, ImageFile, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
 from shared.errors import InputTooLargeError, InvalidInputError, ModelError
 from shared.models import ModelConfig
@@ -36,6 +36,7 @@ MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)  # ImageNet statistics,
 STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 DEFAULT_TOP_K = 5
 # What Pillow raises for bytes that are not a (complete) image; Image.DecompressionBombError included.
+# (ImageFile.LOAD_TRUNCATED_IMAGES stays False, Pillow's default: a truncated file is a 422, not a half-grey guess.)
 _DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 
@@ -174,6 +175,3 @@ def _to_rgb(image: Image.Image) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         return image.convert("RGBA").convert("RGB")
     return image.convert("RGB")
-
-
-ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated file is a 422, never a half-grey guess
