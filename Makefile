@@ -9,6 +9,10 @@ WORKERS ?= 1
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 PEER_VENV := bench/.venv-peer
+# A real Triton server (PyTriton, CPU) for the external-engine test. PyTriton's server refuses
+# pyenv's Python: the venv is built from Debian's python3.11 (package python3.11-venv).
+TRITON_VENV := tests/.venv-triton
+TRITON_PYTHON ?= /usr/bin/python3.11
 
 .PHONY: up test test-fast lint bench clean help
 
@@ -31,8 +35,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 up: $(VENV)/.installed
 	$(BIN)/python deploy/up.py --model $(MODEL) --workers $(WORKERS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(TRITON_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Best effort: without it the Triton test is skipped, saying why.
+$(TRITON_VENV)/.installed:
+	($(TRITON_PYTHON) -m venv $(TRITON_VENV) && $(TRITON_VENV)/bin/pip install --quiet nvidia-pytriton==0.7.0 \
+		&& touch $@) || echo "warning: no PyTriton venv ($(TRITON_VENV)); the Triton engine test will be skipped" >&2
 
 test-fast: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
@@ -57,4 +66,4 @@ lint: $(VENV)/.installed
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) .run .pytest_cache test-artifacts
+	rm -rf $(VENV) $(PEER_VENV) $(TRITON_VENV) .run .pytest_cache test-artifacts

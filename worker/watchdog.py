@@ -16,7 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from shared.clock import monotonic_ms, now_ms
-from shared.errors import ModelError
+from shared.errors import ModelError, UnavailableError
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.execute import ItemResult
@@ -80,6 +80,13 @@ class Watchdog:
         started = monotonic_ms()
         try:
             await asyncio.to_thread(self._forward)
+        except UnavailableError as exc:
+            # An engine the model calls is down: this worker's own machinery works (it reached the engine
+            # and mapped the failure), and a restart would not bring the engine back. It stays live, so
+            # each request gets a 503 naming the engine, and is served again as soon as the engine is back.
+            self.mark_ok()
+            log.warning("probe: a service the model needs is unavailable", extra={"error": exc.message})
+            return False
         except Exception as exc:  # noqa: BLE001 - any failure on known-good inputs means a broken model or device
             self.probe_failures += 1
             cuda = "CUDA" in str(exc) or type(exc).__name__ in {"AcceleratorError", "OutOfMemoryError"}

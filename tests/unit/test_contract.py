@@ -126,6 +126,7 @@ def test_importing_the_contract_pulls_in_neither_torch_nor_fastapi() -> None:
     assert out.strip() == "[]"
 
 
-def test_engine_backend_follows_the_contract() -> None:
-    spec = BUILTIN["minilm"].model_copy(update={"backend": "worker.models.openai_engine:OpenAIEmbeddingsBackend"})
-    import_backend_class(spec)
+@pytest.mark.parametrize("backend", ["worker.models.openai_engine:OpenAIEmbeddingsBackend",
+                                     "worker.models.kserve_engine:KServeV2Backend"])
+def test_engine_backends_follow_the_contract(backend: str) -> None:
+    import_backend_class(BUILTIN["minilm"].model_copy(update={"backend": backend}))

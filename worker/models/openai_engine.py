@@ -12,11 +12,11 @@ Use it from a models file (options are this backend's own settings):
     output = { kind = "tensor", datatype = "float32", shape = [-1] }
     options = { base_url = "http://127.0.0.1:8001/v1", model = "bge-small", timeout_s = 30 }
 
-Errors: the engine unreachable, timing out or answering 5xx/429 is UnavailableError (503 for
-the requests of that batch, no item-by-item retry) naming the engine and the cause; the next
-batch tries again, so service resumes as soon as the engine is back. 400/413/422 from the engine
-is InvalidInputError (422; a failed batch is retried item by item, so only the refused input
-fails); any other answer is ModelError (500).
+Errors (worker/models/engine_http.py): the engine unreachable, timing out or answering 5xx/429
+is UnavailableError (503 for the requests of that batch, no item-by-item retry) naming the
+engine and the cause; the next batch tries again, so service resumes as soon as the engine is
+back. 400/413/422 from the engine is InvalidInputError (422 for the refused input alone); any
+other answer is ModelError (500).
 """
 
 from __future__ import annotations
@@ -26,11 +26,10 @@ from collections.abc import Mapping, Sequence
 import httpx
 import numpy as np
 
-from shared.errors import InvalidInputError, ModelError, UnavailableError
+from shared.errors import InvalidInputError, ModelError
 from shared.models import ModelConfig
 from shared.settings import Settings
-
-_REFUSED_INPUT = frozenset({400, 413, 422})
+from worker.models.engine_http import post_json
 
 
 class OpenAIEmbeddingsBackend:
@@ -71,19 +70,9 @@ class OpenAIEmbeddingsBackend:
         return list(items)
 
     def forward(self, batch: object) -> object:
-        """One POST for the whole batch; float32[n, d] in input order. Raises as the module docstring says."""
+        """One POST for the whole batch; float32[n, d] in input order. Raises as engine_http.post_json does."""
         assert isinstance(batch, list) and self._client is not None
-        try:
-            response = self._client.post(self.url, json={"model": self.engine_model, "input": batch})
-        except httpx.TransportError as exc:  # refused, reset, timed out
-            raise UnavailableError(f"engine at {self.url} is unreachable ({type(exc).__name__}: {exc})") from None
-        if response.status_code == 429 or response.status_code >= 500:
-            raise UnavailableError(f"engine at {self.url} answered {response.status_code}: {response.text[:200]}")
-        if response.status_code in _REFUSED_INPUT:
-            raise InvalidInputError(f"the engine refused the input ({response.status_code}): {response.text[:200]}")
-        if response.status_code != 200:
-            raise ModelError(f"engine at {self.url} answered {response.status_code}: {response.text[:200]}")
-        return _embeddings(response, len(batch))
+        return _embeddings(post_json(self._client, self.url, {"model": self.engine_model, "input": batch}), len(batch))
 
     def split(self, outputs: object, n_items: int) -> list[object]:
         assert isinstance(outputs, np.ndarray)
@@ -98,13 +87,13 @@ class OpenAIEmbeddingsBackend:
         return ["warm up the engine", "a second input"]
 
 
-def _embeddings(response: httpx.Response, n_items: int) -> np.ndarray:
+def _embeddings(answer: object, n_items: int) -> np.ndarray:
     """The `data[].embedding` of an OpenAI embeddings answer, ordered by `index`: float32[n, d]."""
     try:
-        data = sorted(response.json()["data"], key=lambda d: int(d["index"]))
+        data = sorted(answer["data"], key=lambda d: int(d["index"]))  # type: ignore[index]
         array = np.asarray([d["embedding"] for d in data], dtype=np.float32)
     except (ValueError, KeyError, TypeError) as exc:
-        raise ModelError(f"the engine's answer is not an OpenAI embeddings response: {exc}") from None
+        raise ModelError(f"the engine's answer is not an OpenAI embeddings response: {exc!r}") from None
     if array.ndim != 2 or array.shape[0] != n_items:
         raise ModelError(f"the engine returned embeddings of shape {array.shape} for {n_items} inputs")
     return array

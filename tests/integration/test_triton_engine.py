@@ -1,0 +1,128 @@
+"""A real NVIDIA Triton Inference Server (PyTriton, CPU, in tests/.venv-triton; see the Makefile)
+behind vramguard's queue through the KServe v2 backend: served rows, a 422 for a row of the wrong
+shape, the server killed (503 naming it; the worker's idle probes meanwhile do not restart it) and
+started again (served again)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import ROOT, Stack, free_port, wait_until
+
+TRITON_PYTHON = ROOT / "tests" / ".venv-triton" / "bin" / "python"
+SERVER = ROOT / "tests" / "engines" / "triton_doubler.py"
+
+pytestmark = pytest.mark.skipif(not TRITON_PYTHON.exists(), reason="no PyTriton venv: run `make test` (it builds "
+                                "tests/.venv-triton from Debian's python3.11; see the Makefile)")
+
+
+class TritonServer:
+    """triton_doubler.py on fixed ports, so that it can stop and start again at the same address."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.ports = [free_port(), free_port(), free_port()]  # HTTP, gRPC, metrics
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports[0]}"
+
+    async def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen([str(TRITON_PYTHON), str(SERVER), *map(str, self.ports)], cwd=ROOT,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+        async def ready() -> bool:
+            try:
+                async with httpx.AsyncClient() as client:
+                    return (await client.get(f"{self.base_url}/v2/models/doubler/ready")).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        await wait_until(ready, 120, interval_s=0.5)
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group (PyTriton runs tritonserver as a child), then wait
+        until its HTTP port refuses connections (SIGKILL after 10 s)."""
+        if self.proc is None:
+            return
+        pgid = self.proc.pid
+        _signal_group(pgid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while self.proc.poll() is None or _listening(self.ports[0]):
+            if time.monotonic() > deadline:
+                _signal_group(pgid, signal.SIGKILL)
+                self.proc.wait()
+                break
+            time.sleep(0.2)
+        self.proc = None
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+@pytest.fixture
+def triton(tmp_path: Path) -> Iterator[TritonServer]:
+    server = TritonServer(tmp_path / "triton.log")
+    yield server
+    server.stop()
+
+
+def models_file(folder: Path, base_url: str) -> Path:
+    path = folder / "models.toml"
+    path.write_text(
+        '[doubler]\nbackend = "worker.models.kserve_engine:KServeV2Backend"\n'
+        'description = "doubles 4 numbers on a Triton server"\ninput_kind = "json"\n'
+        'output = { kind = "tensor", datatype = "float32", shape = [4] }\n'
+        f'options = {{ base_url = "{base_url}", model = "doubler", input = "INPUT", output = "OUTPUT", '
+        'shape = "4", timeout_s = 10 }\n')
+    return path
+
+
+@pytest.mark.slow
+async def test_triton_behind_the_queue_down_and_back(stack: Stack, triton: TritonServer, tmp_path: Path) -> None:
+    await triton.start()
+    path = models_file(tmp_path, triton.base_url)
+    stack.start_gateway(served_models="doubler", models_file=path)
+    worker = stack.start_worker(model="doubler", models_file=path, probe_interval_s=0.5)  # probes while it is down
+    await stack.wait_ready()
+    rows = [[1, 2, 3, 4], [0.5, -1, 0, 8]]
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        ok = await client.post("/v1/models/doubler/infer", json={"inputs": rows})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["outputs"] == [[2 * v for v in row] for row in rows]
+
+        bad = await client.post("/v1/models/doubler/infer", json={"inputs": [[1, 2, 3]]})
+        assert bad.status_code == 422 and "shape [4]" in bad.json()["error"]["message"]
+
+        triton.stop()
+        down = await client.post("/v1/models/doubler/infer", json={"inputs": rows})
+        assert down.status_code == 503, down.text
+        assert f"engine at {triton.base_url}/v2/models/doubler/infer is unreachable" in down.json()["error"]["message"]
+        await asyncio.sleep(2)  # idle probes meet the engine down: they must not restart the worker
+        assert worker.poll() is None, stack.logs()
+
+        await triton.start()
+        back = await client.post("/v1/models/doubler/infer", json={"inputs": rows})
+        assert back.status_code == 200, back.text
+    assert worker.poll() is None, stack.logs()
