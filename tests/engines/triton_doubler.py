@@ -2,9 +2,10 @@
 FP32[4] out, each value doubled, dynamic batching up to 64 rows. Runs in its own venv (PyTriton
 needs a non-pyenv Python; the Makefile builds tests/.venv-triton from Debian's python3.11):
 
-    tests/.venv-triton/bin/python tests/engines/triton_doubler.py HTTP_PORT GRPC_PORT METRICS_PORT
+    tests/.venv-triton/bin/python tests/engines/triton_doubler.py HTTP_PORT GRPC_PORT METRICS_PORT WORKSPACE
 """
 
+import signal
 import sys
 
 import numpy as np
@@ -21,11 +22,13 @@ def double(INPUT):  # noqa: N803 - the tensor's name in Triton
 def main() -> None:
     http_port, grpc_port, metrics_port = (int(p) for p in sys.argv[1:4])
     config = TritonConfig(http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port, exit_on_error=True)
-    with Triton(config=config) as triton:
+    with Triton(config=config, workspace=sys.argv[4]) as triton:
         triton.bind(model_name="doubler", infer_func=double,
                     inputs=[Tensor(name="INPUT", dtype=np.float32, shape=(4,))],
                     outputs=[Tensor(name="OUTPUT", dtype=np.float32, shape=(4,))],
                     config=ModelConfig(max_batch_size=64))
+        # SIGTERM stops the server through PyTriton, which then frees its workspace and shared memory.
+        signal.signal(signal.SIGTERM, lambda *_: triton.stop())
         triton.serve()
 
 

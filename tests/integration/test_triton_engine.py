@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,8 @@ class TritonServer:
     def __init__(self, log_path: Path) -> None:
         self.ports = [free_port(), free_port(), free_port()]  # HTTP, gRPC, metrics
         self.log_path = log_path
+        self.starts = 0
+        self.model_copies: set[Path] = set()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -39,8 +42,12 @@ class TritonServer:
         return f"http://127.0.0.1:{self.ports[0]}"
 
     async def start(self) -> None:
+        self.starts += 1
+        workspace = self.log_path.parent / f"triton-workspace-{self.starts}"  # PyTriton's; a new one each start
+        before = set(Path("/tmp").glob("folder*"))  # tritonserver's python backend copies models to /tmp/folderXXXXXX
         with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen([str(TRITON_PYTHON), str(SERVER), *map(str, self.ports)], cwd=ROOT,
+            self.proc = subprocess.Popen([str(TRITON_PYTHON), str(SERVER), *map(str, self.ports), str(workspace)],
+                                         cwd=ROOT, env={**os.environ, "TMPDIR": str(self.log_path.parent)},
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         async def ready() -> bool:
@@ -50,22 +57,29 @@ class TritonServer:
             except httpx.HTTPError:
                 return False
 
-        await wait_until(ready, 120, interval_s=0.5)
+        await wait_until(ready, 60, interval_s=0.5)
+        self.model_copies = set(Path("/tmp").glob("folder*")) - before  # removed by a graceful stop, not a crash
 
-    def stop(self) -> None:
-        """SIGTERM to the server's process group (PyTriton runs tritonserver as a child), then wait
-        until its HTTP port refuses connections (SIGKILL after 10 s)."""
+    def stop(self, *, crash: bool = False) -> None:
+        """Stop the server and wait until its HTTP port refuses connections.
+
+        Graceful (SIGTERM: triton_doubler.py stops the server through PyTriton, which frees its
+        shared memory), or, with `crash` or after 30 s, SIGKILL to the process group; the shared
+        memory PyTriton names after its pid and tritonserver's model copies are then removed here.
+        """
         if self.proc is None:
             return
-        pgid = self.proc.pid
-        _signal_group(pgid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
+        self.proc.send_signal(signal.SIGKILL if crash else signal.SIGTERM)
+        deadline = time.monotonic() + (0 if crash else 30)
         while self.proc.poll() is None or _listening(self.ports[0]):
             if time.monotonic() > deadline:
-                _signal_group(pgid, signal.SIGKILL)
+                _signal_group(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
-                break
-            time.sleep(0.2)
+                for segment in Path("/dev/shm").glob(f"pytrtion{self.proc.pid}-*"):
+                    segment.unlink(missing_ok=True)
+                for folder in self.model_copies:
+                    shutil.rmtree(folder, ignore_errors=True)
+            time.sleep(0.1)
         self.proc = None
 
 
@@ -95,16 +109,19 @@ def models_file(folder: Path, base_url: str) -> Path:
         'description = "doubles 4 numbers on a Triton server"\ninput_kind = "json"\n'
         'output = { kind = "tensor", datatype = "float32", shape = [4] }\n'
         f'options = {{ base_url = "{base_url}", model = "doubler", input = "INPUT", output = "OUTPUT", '
-        'shape = "4", timeout_s = 10 }\n')
+        'shape = "4", timeout_s = 3 }\n')
     return path
 
 
 @pytest.mark.slow
-async def test_triton_behind_the_queue_down_and_back(stack: Stack, triton: TritonServer, tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+async def test_triton_behind_the_queue_down_and_back(triton: TritonServer, stack: Stack, tmp_path: Path) -> None:
+    # `triton` first: torn down after the stack, so no worker keeps calling it while it stops.
     await triton.start()
     path = models_file(tmp_path, triton.base_url)
     stack.start_gateway(served_models="doubler", models_file=path)
-    worker = stack.start_worker(model="doubler", models_file=path, probe_interval_s=0.5)  # probes while it is down
+    # Idle probes every second meet the engine down; each gives up after options.timeout_s (3 s) at most.
+    worker = stack.start_worker(model="doubler", models_file=path, probe_interval_s=1, heartbeat_ttl_ms=5000)
     await stack.wait_ready()
     rows = [[1, 2, 3, 4], [0.5, -1, 0, 8]]
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
@@ -115,11 +132,11 @@ async def test_triton_behind_the_queue_down_and_back(stack: Stack, triton: Trito
         bad = await client.post("/v1/models/doubler/infer", json={"inputs": [[1, 2, 3]]})
         assert bad.status_code == 422 and "shape [4]" in bad.json()["error"]["message"]
 
-        triton.stop()
+        triton.stop(crash=True)
         down = await client.post("/v1/models/doubler/infer", json={"inputs": rows})
         assert down.status_code == 503, down.text
         assert f"engine at {triton.base_url}/v2/models/doubler/infer is unreachable" in down.json()["error"]["message"]
-        await asyncio.sleep(2)  # idle probes meet the engine down: they must not restart the worker
+        await asyncio.sleep(3)  # idle probes meet the engine down: they must not restart the worker
         assert worker.poll() is None, stack.logs()
 
         await triton.start()
