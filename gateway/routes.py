@@ -10,13 +10,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
+from pydantic import JsonValue
 from starlette.datastructures import Headers
 
 from gateway.dispatch import Dispatcher
 from gateway.health import Health
 from gateway.schemas import (
     MAX_TIMEOUT_MS,
-    InferRequest,
     InferResponse,
     ModelInfo,
     ModelList,
@@ -93,13 +93,11 @@ async def infer(
         body = await _read_body(request, _settings(request).max_body_bytes)
         spec = _settings(request).spec_for(model)
         if _media_type(request) in spec.raw_content_types:
-            parsed, inputs = _raw_request(spec, body, request)
+            inputs, parameters, body_timeout_ms = _raw_request(spec, body, request)
         else:
-            parsed = parse_infer_request(body)
-            check_input_count(model, _settings(request).model_config_for(model), len(parsed.inputs))
-            inputs = validate_inputs(spec, parsed.inputs)
-        timeout_ms = parsed.timeout_ms or header_ms
-        _, reply = await dispatcher.submit(model, inputs, dict(parsed.parameters), timeout_ms, request_id=request_id)
+            inputs, parameters, body_timeout_ms = _json_request(spec, body, _settings(request))
+        timeout_ms = body_timeout_ms or header_ms
+        _, reply = await dispatcher.submit(model, inputs, dict(parameters), timeout_ms, request_id=request_id)
         record.reply = reply
     return InferResponse(model=model, request_id=request_id, outputs=[jsonable(v) for v in reply.outputs or []])
 
@@ -142,15 +140,24 @@ def _media_type(request: Request) -> str:
     return request.headers.get("content-type", "").partition(";")[0].strip().lower()
 
 
-def _raw_request(spec: ModelSpec, body: bytes, request: Request) -> tuple[InferRequest, list[object]]:
-    """A raw-body request to a bytes model (Content-Type in spec.raw_content_types): the body is the
-    one input, `parameters` come from the query string. Raises InvalidInputError, PayloadTooLargeError."""
+def _json_request(spec: ModelSpec, body: bytes, settings: Settings) -> tuple[list[object], dict[str, JsonValue],
+                                                                            int | None]:
+    """A JSON body: (inputs as they travel, parameters, timeout_ms or None), validated against the
+    model's declared description. Raises BodyNotJsonError, InvalidInputError, PayloadTooLargeError."""
+    parsed = parse_infer_request(body)
+    check_input_count(spec.name, settings.model_config_for(spec.name), len(parsed.inputs))
+    return validate_inputs(spec, parsed.inputs), parsed.parameters, parsed.timeout_ms
+
+
+def _raw_request(spec: ModelSpec, body: bytes, request: Request) -> tuple[list[object], dict[str, JsonValue], None]:
+    """A raw-body request to a bytes model (Content-Type in spec.raw_content_types): (inputs, parameters,
+    body timeout): the body is the one input, `parameters` come from the query string, the deadline only
+    from X-Request-Timeout-Ms. Raises InvalidInputError, PayloadTooLargeError."""
     check_blob(spec, body)
-    parsed = parse_infer_request(b'{"inputs": [0]}')  # the body model, for its defaults
-    parsed.parameters = query_parameters(request.query_params)
-    for name, value in parsed.parameters.items():
+    parameters = query_parameters(request.query_params)
+    for name, value in parameters.items():
         check_wire_ints(value, f"parameters.{name}")
-    return parsed, [body]
+    return [body], parameters, None
 
 
 def _model_info(request: Request, name: str) -> ModelInfo:
