@@ -25,7 +25,6 @@ from gateway.schemas import (
     validate_inputs,
 )
 from shared.errors import InvalidInputError, PayloadTooLargeError, UnauthorizedError
-from shared.metrics import HISTOGRAM_FIELD
 from shared.models import CATALOGUE
 from shared.protocol import RequestId
 from shared.settings import Settings
@@ -134,8 +133,7 @@ async def model_ready(model: str, request: Request) -> JSONResponse:
 
 def _model_info(request: Request, name: str) -> ModelInfo:
     spec = CATALOGUE[name]
-    workers = {w: {k: v for k, v in beat.items() if k != HISTOGRAM_FIELD}  # histograms: /metrics only
-               for w, beat in _health(request).live_workers(name).items()}
+    workers = {w: beat.as_json() for w, beat in _health(request).live_workers(name).items()}
     return ModelInfo(
         name=name,
         description=spec.description,

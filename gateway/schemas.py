@@ -52,7 +52,7 @@ class ModelInfo(BaseModel):
     output: str
     config: ModelConfig
     live_workers: int
-    workers: dict[str, dict[str, str]]
+    workers: dict[str, dict[str, JsonValue]]  # worker_id -> its heartbeat record (shared/heartbeat.py), no histograms
 
 
 class ModelList(BaseModel):

@@ -57,6 +57,10 @@ class BatchServer:
         self._watchdog = watchdog
         self.budget = budget
         self._on_context_lost = on_context_lost
+        # Set once any forward of this worker lost the device context: from then on no forward's
+        # results are published, also those of concurrent batches that finished afterwards,
+        # since they ran on a device that can no longer be trusted.
+        self.context_lost = False
 
     async def serve(self, redis: aioredis.Redis, entries: list[Entry]) -> bool:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
@@ -130,7 +134,10 @@ class BatchServer:
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
                       extra={"error": str(exc), "batch_size": len(items)})
+            self.context_lost = True
             self._on_context_lost()
+            return False
+        if self.context_lost:  # another batch's forward broke the context while this one ran
             return False
         duration_ms = monotonic_ms() - started
         outgoing = self._replies(group, results, len(items), batch_start_ms)
