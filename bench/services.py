@@ -103,7 +103,7 @@ class VramguardService:
         assert self.stack is not None
         return f"{self.stack.url}/v1/models/{self.model}/infer"
 
-    def heartbeats(self) -> dict[str, dict[str, str]]:
+    def heartbeats(self) -> dict[str, dict[str, object]]:
         """The live workers' heartbeat hashes as the gateway sees them."""
         assert self.stack is not None
         info = httpx.get(f"{self.stack.url}/v1/models/{self.model}", timeout=5.0).json()

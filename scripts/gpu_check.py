@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 class ResNet50Backend:
-    """torchvision ResNet-50, random weights, fp16: enough for memory and speed (issue 3)."""
+    """torchvision ResNet-50, random weights, fp16: enough for memory and speed."""
 
     name = "resnet50"
     max_item_cost = 1
@@ -62,13 +62,16 @@ class ResNet50Backend:
 
 
 def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
+    from shared.models import ModelConfig
+    from shared.settings import Settings
     from worker.execute import run_batch
     from worker.memory import start_budget
 
     backend = ResNet50Backend()
+    settings = Settings.from_env()  # the placement of this process: CUDA_VISIBLE_DEVICES, VRAMGUARD_MEMORY_SHARE
     budget = start_budget(
-        backend, sim_memory_bytes=1, watermark=0.8, workers_per_gpu=1, max_batch_size_cap=cap, planner=True,
-        success_run=16, warm_up=lambda: run_batch(backend, backend.example_inputs(), cap), total_bytes=total_bytes,
+        backend, settings, ModelConfig(max_batch_size=cap),
+        warm_up=lambda: run_batch(backend, backend.example_inputs(), cap), total_bytes=total_bytes, register=False,
     )
     return {"model": "resnet50-fp16", "device": "cuda", **budget.plan.as_dict()}
 
@@ -94,11 +97,12 @@ async def fire(url: str, model: str, n: int) -> None:
     print(f"requests: {n}  statuses: {counts}  requests lost: {lost}")
     for worker_id, beat in workers.items():
         peak, budget = int(beat["mem_peak_bytes"]), int(beat["mem_budget_bytes"])
-        print(f"worker {worker_id}: baseline {beat['plan_baseline_bytes']} weights {beat['plan_weights_bytes']} "
-              f"fixed {beat['plan_fixed_bytes']} per_token {beat['plan_per_token_bytes']} | max_batch_size "
-              f"{beat['plan_max_batch_size']} max_batch_tokens {beat['plan_max_batch_tokens']} | peak allocated "
-              f"{peak} vs budget {budget} ({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
-              f"batch_splits {beat['batch_splits']} adaptive_cap {beat['adaptive_cap']}")
+        print(f"worker {worker_id}: gpu {beat['gpu']} {beat['gpu_uuid']} share {beat['memory_share']} | context "
+              f"{beat['plan_context_bytes']} weights {beat['plan_weights_bytes']} fixed {beat['plan_fixed_bytes']} "
+              f"per_token {beat['plan_per_token_bytes']} | planned batch {beat['plan_batch_size']} items / "
+              f"{beat['plan_batch_tokens']} tokens | peak allocated {peak} vs budget {budget} "
+              f"({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
+              f"batch_splits {beat['batch_splits']} adaptive_batch_cap {beat['adaptive_batch_cap']}")
     sys.exit(1 if lost else 0)
 
 

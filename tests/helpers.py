@@ -114,8 +114,9 @@ class Stack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, module: str, name: str, **extra: object) -> subprocess.Popen[bytes]:
-        env = service_env(self.redis_url, **{**self.settings, **extra})
+    def _spawn(self, module: str, name: str, environ: dict[str, str] | None = None,
+               **extra: object) -> subprocess.Popen[bytes]:
+        env = {**service_env(self.redis_url, **{**self.settings, **extra}), **(environ or {})}
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log_files.append(log)
         return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -123,9 +124,11 @@ class Stack:
     def start_gateway(self, **extra: object) -> None:
         self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
 
-    def start_worker(self, **extra: object) -> subprocess.Popen[bytes]:
+    def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
+        """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
+        CUDA_VISIBLE_DEVICES) added to its environment."""
         index = len(self.workers)
-        proc = self._spawn("worker", f"worker-{index}", **{"worker_name": f"test-worker-{index}", **extra})
+        proc = self._spawn("worker", f"worker-{index}", environ, **{"worker_name": f"test-worker-{index}", **extra})
         self.workers.append(proc)
         return proc
 

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from shared.models import ModelConfig
 from shared.settings import Settings
 from worker.accounting import MemoryAccounting, SimAccounting, open_accounting
 from worker.backend import ModelBackend
@@ -201,16 +202,16 @@ class MemoryBudget:
 
 
 def build_plan(
-    backend: ModelBackend, accounting: MemoryAccounting, settings: Settings, *, context_bytes: int,
-    weights_bytes: int, total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None,
+    backend: ModelBackend, accounting: MemoryAccounting, settings: Settings, config: ModelConfig, *,
+    context_bytes: int, weights_bytes: int, total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None,
 ) -> Plan:
     """Measure (when Settings.memory_planner is on) and plan for a loaded, warmed-up backend, in
-    this worker's share (Settings.effective_memory_share). `total_bytes` plans for a device of
+    this worker's share (Settings.effective_memory_share), for the model's batching settings
+    `config` (max_batch_size, max_inflight_batches). `total_bytes` plans for a device of
     that size instead of this one (worker.profile --total-bytes).
 
     Raises MemoryPlanError when the budget cannot hold one item.
     """
-    config = settings.model_config_for(settings.model)
     common = dict(device_kind=accounting.kind, total_bytes=total_bytes or accounting.total_bytes(),
                   context_bytes=context_bytes, weights_bytes=weights_bytes, max_item_cost=backend.max_item_cost,
                   watermark=settings.watermark, memory_share=settings.effective_memory_share,
@@ -232,7 +233,7 @@ def device_ledger(accounting: MemoryAccounting, folder: Path) -> DeviceLedger | 
 
 
 def start_budget(
-    backend: ModelBackend, settings: Settings, *, warm_up: Callable[[], None] = lambda: None,
+    backend: ModelBackend, settings: Settings, config: ModelConfig, *, warm_up: Callable[[], None] = lambda: None,
     total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None, register: bool = True,
 ) -> MemoryBudget:
     """A worker's start, in DESIGN.md's order: open the device's accounting (creating the
@@ -259,7 +260,7 @@ def start_budget(
         raise MemoryPlanError(f"the weights do not fit the device ({accounting.total_bytes()} bytes)") from None
     weights = max(0, accounting.allocated_bytes() - before)
     warm_up()
-    plan = build_plan(backend, accounting, settings, context_bytes=context, weights_bytes=weights,
+    plan = build_plan(backend, accounting, settings, config, context_bytes=context, weights_bytes=weights,
                       total_bytes=total_bytes, on_step=on_step)
     accounting.limit_fraction(plan.memory_fraction)
     accounting.reset_peak()

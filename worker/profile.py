@@ -65,7 +65,7 @@ def profile(settings: Settings, total_bytes: int | None, shares: list[float] | N
         bar.reset(total=len(measurement_grid(backend.max_item_cost, config.max_batch_size)))
 
     with tqdm(desc=f"measuring {settings.model}", unit="forward", disable=not progress, file=sys.stderr) as bar:
-        budget = start_budget(backend, settings.model_copy(update={"memory_share": shares[0]}), warm_up=warm_up,
+        budget = start_budget(backend, settings.model_copy(update={"memory_share": shares[0]}), config, warm_up=warm_up,
                               total_bytes=total_bytes, on_step=lambda: bar.update(1), register=False)
     return {"model": settings.model, "device": backend.device, **budget.plan.as_dict(),
             "workers": [_worker_plan(budget.plan, share) for share in shares]}

@@ -167,7 +167,7 @@ class Worker:
         """Load the weights, run the example inputs once, then measure and plan the memory budget
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
-        self.budget = start_budget(self.backend, self.settings, warm_up=self._run_examples)
+        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
         plan = self.budget.plan
         log.info("memory plan", extra={"model": self.settings.model, "worker_id": self.worker_id,

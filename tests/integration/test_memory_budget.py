@@ -52,7 +52,7 @@ async def test_poison_input_in_a_batch_of_8_gets_413_and_the_rest_200(gateway, s
     handle = await start_worker(device="sim", sim_memory_bytes=64 * MIB, fault_injection=True,
                                 models={"synthetic": {"max_wait_ms": 200, "params": SMALL}})
     await live(gateway)
-    assert handle.worker.budget.plan.max_batch_size == 9
+    assert handle.worker.budget.plan.planned_batch_size == 9
     assert (await infer(gateway, [0, 0])).status_code == 200
     bodies: list[object] = [0, 1, 2, {"alloc_mib": 1000}, 4, 5, 6, 7]
     responses = await asyncio.gather(*(infer(gateway, [b]) for b in bodies))
@@ -81,7 +81,7 @@ async def test_mixed_lengths_short_inputs_are_not_delayed_by_a_long_one(
                                 models={"synthetic": {"max_wait_ms": 100, "params": TEXT}})
     await live(gateway)
     budget = handle.worker.budget
-    assert budget.plan.max_batch_tokens == max_batch_tokens and budget.plan.max_item_cost == 64
+    assert budget.plan.planned_batch_tokens == max_batch_tokens and budget.plan.max_item_cost == 64
 
     async def timed(text: str) -> tuple[float, httpx.Response]:
         started = time.monotonic()
@@ -113,7 +113,7 @@ async def test_input_too_large_alone_is_refused_at_once(gateway, start_worker) -
                                 models={"synthetic": {"params": {**TEXT, "item_mib": 1, "item_ms": 0}}})
     await live(gateway)
     budget = handle.worker.budget
-    assert budget.plan.max_batch_tokens == 39
+    assert budget.plan.planned_batch_tokens == 39
     forwards = handle.worker.stats.forwards
     refused = await infer(gateway, [" ".join(["w"] * 64)])
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "input_too_large"

@@ -89,7 +89,7 @@ def test_concurrent_forwards_are_admitted_only_while_their_peaks_fit(tmp_path: P
                         models={"synthetic": ModelOverrides(max_batch_size=8, max_inflight_batches=2,
                                                             params={"weights_mib": 0, "fixed_mib": 0, "item_mib": 10})})
     backend = SyntheticBackend(settings.model_config_for("synthetic"), "sim")
-    budget = start_budget(backend, settings)
+    budget = start_budget(backend, settings, settings.model_config_for("synthetic"))
     assert budget.plan.inflight_batches == 2 and budget.plan.planned_batch_size == 5
     running, most = [0], [0]
     lock = threading.Lock()

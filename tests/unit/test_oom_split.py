@@ -24,7 +24,7 @@ def make_budget():  # type: ignore[no-untyped-def]
         settings = Settings(model="synthetic", sim_memory_bytes=total_mib * MIB, watermark=0.8, adaptive_success_run=4,
                             memory_planner=bool(kwargs.pop("planner", True)),
                             models={"synthetic": ModelOverrides(max_batch_size=cap, **kwargs)})  # type: ignore[arg-type]
-        return backend, start_budget(backend, settings)
+        return backend, start_budget(backend, settings, settings.model_config_for("synthetic"))
 
     return make
 
