@@ -17,8 +17,8 @@ from redis.exceptions import RedisError
 
 from shared.clock import now_ms
 from shared.errors import UnavailableError
-from shared.keys import Keys
 from shared.heartbeat import WorkerBeat
+from shared.keys import Keys
 from shared.periodic import Periodic
 from shared.settings import Settings
 

@@ -166,8 +166,8 @@ def plan_budget(
         device_kind=device_kind, total_bytes=total_bytes, context_bytes=context_bytes, weights_bytes=weights_bytes,
         fixed_bytes=fit.fixed_bytes, per_item_bytes=_whole_bytes(fit.per_unit_bytes * max_item_cost),
         per_token_bytes=fit.per_unit_bytes if text else 0.0, watermark=watermark, memory_share=memory_share,
-        budget_bytes=int(budget), max_batch_size=max_batch_size,
-        planned_batch_size=min(max_batch_size, max_cost), planned_batch_tokens=min(max_cost, UNLIMITED_COST) if text else 0,
+        budget_bytes=int(budget), max_batch_size=max_batch_size, planned_batch_size=min(max_batch_size, max_cost),
+        planned_batch_tokens=min(max_cost, UNLIMITED_COST) if text else 0,
         max_item_cost=max_item_cost, inflight_batches=inflight, recommended_workers_per_gpu=recommended,
     )
 

@@ -21,6 +21,7 @@ import signal
 import socket
 from dataclasses import asdict
 from enum import IntEnum
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -305,14 +306,16 @@ class Worker:
     def beat(self) -> WorkerBeat:
         """This worker's heartbeat record now: identity and placement, configured batching, the
         counters, the watchdog, the metrics and the memory budget."""
-        memory = self.budget.heartbeat_fields() if self.budget is not None else {}
+        parts: dict[str, Any] = {
+            **asdict(self.stats), **self.watchdog.heartbeat_fields(),
+            **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches),
+            **(self.budget.heartbeat_fields() if self.budget is not None else {}),
+        }
         return WorkerBeat(
             worker_id=self.worker_id, model=self.settings.model, pid=os.getpid(), host=socket.gethostname(),
             device=self.backend.device, gpu=self.settings.cuda_visible_devices or "",
             max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
-            max_inflight_batches=self.config.max_inflight_batches,
-            **asdict(self.stats), **self.watchdog.heartbeat_fields(),
-            **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches), **memory,  # type: ignore[arg-type]
+            max_inflight_batches=self.config.max_inflight_batches, **parts,  # a misnamed part raises TypeError here
         )
 
 
