@@ -135,3 +135,25 @@ async def test_oom_that_persists_exits_without_acking(gateway, start_worker, red
     pending = await redis_client.xpending(Keys(key_prefix).request_stream("synthetic"), GROUP)
     assert pending["pending"] == 1
     assert (await request).status_code in (503, 504)
+
+
+async def test_a_lost_context_stops_the_concurrent_forward_from_publishing(
+    gateway, start_worker, redis_client, key_prefix
+) -> None:
+    """1. Two forwards in flight (max_inflight_batches=2): a slow one of 20 items (600 ms), then,
+       while it runs, a one-item batch whose forward hits a CUDA error after 30 ms.
+    Result: the worker exits CUDA_CONTEXT_LOST; the slow forward, finishing on a device no longer
+    trusted, publishes nothing: its request is not answered by the worker (504 at its deadline)
+    and both entries stay pending, un-acked, for a fresh process to reclaim."""
+    handle = await start_worker(device="sim", fault_injection=True, models={"synthetic": {
+        "max_inflight_batches": 2, "max_wait_ms": 1, "params": {**SMALL, "batch_ms": 0, "item_ms": 30}}})
+    await live(gateway)
+    assert handle.worker.budget.plan.inflight_batches == 2
+    slow = asyncio.create_task(infer(gateway, list(range(20)), timeout_ms=2500))
+    await wait_until(lambda: handle.worker.budget.max_concurrent_forwards >= 1, 5, interval_s=0.005)
+    broken = asyncio.create_task(infer(gateway, [{"fault": "cuda_error"}], timeout_ms=2500))
+    assert await asyncio.wait_for(handle.task, 20) == ExitCode.CUDA_CONTEXT_LOST
+    assert handle.worker.budget.max_concurrent_forwards == 2  # the two forwards did overlap
+    assert (await slow).status_code == 504 and (await broken).status_code == 504
+    pending = await redis_client.xpending(Keys(key_prefix).request_stream("synthetic"), GROUP)
+    assert pending["pending"] == 2
