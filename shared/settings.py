@@ -81,6 +81,11 @@ class Settings(BaseSettings):
     # hard-caps the process at that fraction.
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
     workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device
+    # Fraction of the device's total memory this worker process may use (deploy/up.py sets it per
+    # worker from the placement); None: watermark / workers_per_gpu.
+    memory_share: float | None = Field(None, gt=0, le=1)
+    sim_gpus: int = Field(0, ge=0, le=64)  # deploy/up.py: simulate this many GPUs (device=sim)
+    sim_ledger_dir: str | None = None  # where simulated GPUs keep their shared usage ledger
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
@@ -114,6 +119,8 @@ class Settings(BaseSettings):
             raise ValueError("served_models is empty")
         if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_ttl_ms must exceed heartbeat_interval_ms")
+        if self.memory_share is not None and self.memory_share > self.watermark:
+            raise ValueError(f"memory_share ({self.memory_share}) must not exceed watermark ({self.watermark})")
         if self.probe_fault != "none" and not self.fault_injection:
             raise ValueError("probe_fault needs fault_injection=true (tests and demos only)")
         for name in self.models:
