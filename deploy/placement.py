@@ -62,7 +62,8 @@ class WorkerGroup:
 
 
 class ModelPlacement(BaseModel):
-    """One `[[model]]` table of a placement file."""
+    """One `[[model]]` table of a placement file. A model may have several tables for different
+    GPUs (3 workers on GPU 0, 2 on GPU 1), never two for one GPU."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -129,12 +130,9 @@ def load_placement(path: Path) -> list[ModelPlacement]:
     except ValidationError as exc:
         detail = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise PlacementError(f"placement {path}: {detail}") from None
-    names = [m.name for m in placement.model]
-    for name in names:
-        if name not in CATALOGUE:
-            raise PlacementError(f"placement {path}: unknown model {name!r}; known: {', '.join(sorted(CATALOGUE))}")
-        if names.count(name) > 1:
-            raise PlacementError(f"placement {path}: model {name!r} appears twice; give it one [[model]] table")
+    for m in placement.model:
+        if m.name not in CATALOGUE:
+            raise PlacementError(f"placement {path}: unknown model {m.name!r}; known: {', '.join(sorted(CATALOGUE))}")
     return placement.model
 
 
@@ -150,12 +148,15 @@ def plan(models: list[ModelPlacement], available: list[Gpu], watermark: float) -
         for m in models:
             if m.gpus != "all":
                 select_gpus(m.gpus, available, what=f"{m.name}.gpus")  # raises: no GPUs here
+        _refuse_twice("the CPU", models)
         total = sum(m.workers for m in models)
         return [WorkerGroup(m.name, None, m.workers, total, None) for m in models]
     on_gpu: dict[Gpu, list[ModelPlacement]] = {}
     for m in models:
         for gpu in select_gpus(m.gpus, available, what=f"{m.name}.gpus"):
             on_gpu.setdefault(gpu, []).append(m)
+    for gpu, there in on_gpu.items():
+        _refuse_twice(f"GPU {gpu.index}", there)
     groups: list[WorkerGroup] = []
     for gpu in sorted(on_gpu, key=lambda g: g.index):
         groups.extend(_plan_gpu(gpu, on_gpu[gpu], watermark))
@@ -185,6 +186,14 @@ def _plan_gpu(gpu: Gpu, models: list[ModelPlacement], watermark: float) -> list[
         share = math.floor(each * 10**SHARE_DECIMALS) / 10**SHARE_DECIMALS
         groups.append(WorkerGroup(m.name, gpu, m.workers, on_device, share))
     return groups
+
+
+def _refuse_twice(where: str, models: list[ModelPlacement]) -> None:
+    """One model may have several tables (other workers on other GPUs), never two on one device."""
+    names = [m.name for m in models]
+    for name in names:
+        if names.count(name) > 1:
+            raise PlacementError(f"{where}: model {name!r} is placed there twice; give it one [[model]] table there")
 
 
 def _show(spec: str | list[int | str]) -> str:

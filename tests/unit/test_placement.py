@@ -109,6 +109,36 @@ def test_the_example_placement_and_models_without_a_share_split_what_is_left() -
     assert shares_by_gpu(mixed)[0] <= 0.8
 
 
+def test_one_model_with_other_workers_on_other_gpus() -> None:
+    """3 workers on GPU 0 and 2 on GPU 1: two tables of one model; each GPU's shares add up."""
+    groups = plan([ModelPlacement(name="synthetic", gpus=[0], workers=3),
+                   ModelPlacement(name="synthetic", gpus=[1], workers=2)], simulated_gpus(2), 0.8)
+    assert [(g.program, g.workers, g.workers_on_device) for g in groups] == [
+        ("worker-synthetic-gpu0", 3, 3), ("worker-synthetic-gpu1", 2, 2)]
+    assert all(total <= 0.8 for total in shares_by_gpu(groups).values())
+
+
+def test_a_share_above_the_watermark_is_refused_by_the_worker_settings() -> None:
+    with pytest.raises(ValueError, match=r"memory_share \(0.9\) must not exceed watermark \(0.8\)"):
+        Settings(memory_share=0.9)
+
+
+def test_two_stacks_on_two_ports_get_their_own_run_dir_and_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    from deploy.up import build_env
+
+    groups = plan([ModelPlacement(name="synthetic")], [], 0.8)
+    monkeypatch.setenv("VRAMGUARD_REDIS_URL", "redis://127.0.0.1:1/0")  # an existing Redis: none started
+    run_dirs = set()
+    for port in sorted({free_port() for _ in range(5)})[:2]:
+        monkeypatch.setenv("VRAMGUARD_PORT", str(port))
+        run_dirs.add(build_env(False, groups)["VG_RUN_DIR"])
+    assert len(run_dirs) == 2
+    conf = configparser.RawConfigParser(interpolation=None)
+    conf.read(ROOT / "deploy" / "supervisord.conf")
+    assert conf["unix_http_server"]["file"].startswith("%(ENV_VG_RUN_DIR)s/")
+    assert conf["supervisord"]["pidfile"].startswith("%(ENV_VG_RUN_DIR)s/")
+
+
 def test_no_room_left_for_a_model_without_a_share_is_refused() -> None:
     with pytest.raises(PlacementError, match=r"GPU 0: minilm 0.8 take the whole watermark 0.8; nothing left for"):
         plan([ModelPlacement(name="minilm", share=0.8), ModelPlacement(name="synthetic")], simulated_gpus(1), 0.8)
@@ -117,7 +147,7 @@ def test_no_room_left_for_a_model_without_a_share_is_refused() -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ('[[model]]\nname = "nope"\n', "unknown model 'nope'"),
     ('[[model]]\nname = "minilm"\nshares = 0.5\n', "model.0.shares: Extra inputs are not permitted"),
-    ('[[model]]\nname = "minilm"\n[[model]]\nname = "minilm"\n', "appears twice"),
+    ('[[model]]\nname = "minilm"\n[[model]]\nname = "minilm"\ngpus = [1]\n', "GPU 1: model 'minilm' is placed there twice"),
     ('[[model]\n', "not TOML"),
     ('[[model]]\nname = "minilm"\ngpus = [0, 7]\n', "minilm.gpus=0,7: no GPU '7'"),
 ])
