@@ -147,7 +147,8 @@ def test_no_room_left_for_a_model_without_a_share_is_refused() -> None:
 @pytest.mark.parametrize(("text", "message"), [
     ('[[model]]\nname = "nope"\n', "unknown model 'nope'"),
     ('[[model]]\nname = "minilm"\nshares = 0.5\n', "model.0.shares: Extra inputs are not permitted"),
-    ('[[model]]\nname = "minilm"\n[[model]]\nname = "minilm"\ngpus = [1]\n', "GPU 1: model 'minilm' is placed there twice"),
+    ('[[model]]\nname = "minilm"\n[[model]]\nname = "minilm"\ngpus = [1]\n',
+     "GPU 1: model 'minilm' is placed there twice"),
     ('[[model]\n', "not TOML"),
     ('[[model]]\nname = "minilm"\ngpus = [0, 7]\n', "minilm.gpus=0,7: no GPU '7'"),
 ])
