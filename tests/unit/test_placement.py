@@ -169,3 +169,12 @@ def test_each_group_becomes_one_program_with_the_shipped_worker_settings() -> No
     assert 'CUDA_VISIBLE_DEVICES="GPU-b"' in program["environment"]
     assert 'VRAMGUARD_MEMORY_SHARE="0.400000"' in program["environment"]
     assert 'VRAMGUARD_WORKER_NAME="%(host_node_name)s-minilm-gpu1-%(process_num)d"' in program["environment"]
+
+
+def test_in_a_container_worker_output_goes_to_supervisors_stdout() -> None:
+    """--workers-only (the worker image): Docker's log driver collects and rotates the output."""
+    groups = plan([ModelPlacement(name="minilm")], [Gpu(0, "GPU-a")], 0.8)
+    parser = configparser.RawConfigParser(interpolation=None)
+    parser.read_string(render_programs(groups, log_to_stdout=True))
+    program = parser["program:worker-minilm-gpu0"]
+    assert program["stdout_logfile"] == "/dev/stdout" and program["stdout_logfile_maxbytes"] == "0"
