@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal, NoReturn
 
 import httpx
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -101,8 +102,12 @@ def find_gpus(sim_gpus: int) -> list[Gpu]:
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return []
-    out = subprocess.run([smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
-                         capture_output=True, text=True, check=False, timeout=30)
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=30)
+    except subprocess.TimeoutExpired:
+        print("up: nvidia-smi did not answer in 30 s; starting without GPUs", file=sys.stderr, flush=True)
+        return []
     return gpus_from_nvidia_smi(out.stdout) if out.returncode == 0 else []
 
 
@@ -125,6 +130,8 @@ def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
         return plan(models, available, settings.watermark)
     except PlacementError as exc:
         refuse(str(exc))
+    except ValidationError as exc:  # WORKERS_PER_GPU out of range
+        refuse("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
 def build_env(workers_only: bool, groups: list[WorkerGroup]) -> dict[str, str]:
