@@ -181,7 +181,7 @@ def placed(cfg: BenchConfig, gpus: int, per_gpu: int) -> VramguardService:
     share of its GPU as `make up VRAMGUARD_SIM_GPUS=... GPUS=all WORKERS_PER_GPU=...` does."""
     name = f"scale-{gpus}gpu-x{per_gpu}"
     service = synthetic(cfg, name, gpus * per_gpu, SCALE_BATCH_MS, max_batch_size=1)
-    service.settings.update(device="sim", sim_gpus=gpus, sim_ledger_dir=cfg.log_dir / name / "sim-ledger")
+    service.settings.update(device="sim", sim_gpus=gpus, device_ledger_dir=cfg.log_dir / name / "sim-ledger")
     service.groups = plan([ModelPlacement(name="synthetic", workers=per_gpu)], simulated_gpus(gpus), watermark=0.8)
     return service
 

@@ -85,7 +85,7 @@ class Settings(BaseSettings):
     # worker from the placement); None: watermark / workers_per_gpu.
     memory_share: float | None = Field(None, gt=0, le=1)
     sim_gpus: int = Field(0, ge=0, le=64)  # deploy/up.py: simulate this many GPUs (device=sim)
-    sim_ledger_dir: str | None = None  # where simulated GPUs keep their shared usage ledger
+    device_ledger_dir: str | None = None  # where workers on this host keep their per-device ledgers
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)

@@ -55,8 +55,9 @@ def worker_environments(supervisord_pid: int) -> dict[int, dict[str, str]]:
 @contextmanager
 def launch(redis_url: str, key_prefix: str, *args: str, **settings: str) -> Iterator[tuple[str, Path]]:
     """deploy/up.py `args` with VRAMGUARD_SIM_GPUS=2 on the session's Redis, plus `settings` as
-    VRAMGUARD_<NAME>. Yields (gateway URL, run dir) once /health/ready answers 200; stopped with
-    SIGTERM, as Ctrl-C does."""
+    VRAMGUARD_<NAME> (a device_ledger_dir of its own keeps its simulated GPUs apart from other
+    runs). Yields (gateway URL, run dir) once /health/ready answers 200; stopped with SIGTERM,
+    as Ctrl-C does."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
     env.update(VRAMGUARD_SIM_GPUS="2", VRAMGUARD_PORT=str(port), VRAMGUARD_REDIS_URL=redis_url,
@@ -101,7 +102,7 @@ def run_logs(run_dir: Path) -> str:
 
 @pytest.mark.slow
 async def test_two_gpus_two_workers_each_are_pinned_named_and_shares_add_up(redis_server: RedisServer,
-                                                                          key_prefix: str) -> None:
+                                                                          key_prefix: str, tmp_path: Path) -> None:
     """1. make up GPUS=0,1 WORKERS_PER_GPU=2 on two simulated GPUs; the stack becomes ready.
     2. Each worker process's environment is read from /proc/<pid>/environ.
     3. One worker is SIGKILLed; supervisor starts a fresh process.
@@ -109,7 +110,7 @@ async def test_two_gpus_two_workers_each_are_pinned_named_and_shares_add_up(redi
     host-synthetic-gpu<i>-<slot>, shares adding up to at most the watermark per GPU; the
     restarted process has the same name and GPU."""
     with launch(redis_server.url, key_prefix, "--model", "synthetic", "--gpus", "0,1",
-                "--workers-per-gpu", "2") as (_, run_dir):
+                "--workers-per-gpu", "2", device_ledger_dir=str(tmp_path / "ledger")) as (_, run_dir):
         await check_pinned_and_restarted(run_dir)
 
 
@@ -169,7 +170,7 @@ async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server:
     placement.write_text(PLACEMENT_3_2)
     params = {"batch_ms": 5, "item_ms": 0.1, "weights_mib": 16, "fixed_mib": 4, "item_mib": 2}
     with launch(redis_server.url, key_prefix, "--placement", str(placement), sim_memory_bytes=str(512 * MIB),
-                sim_ledger_dir=str(tmp_path / "ledger"), models__synthetic__params=json.dumps(params),
+                device_ledger_dir=str(tmp_path / "ledger"), models__synthetic__params=json.dumps(params),
                 models__synthetic__max_batch_size="64") as (url, run_dir):
         envs = worker_environments(int((run_dir / "supervisord.pid").read_text()))
         assert sorted(e["CUDA_VISIBLE_DEVICES"] for e in envs.values()) == ["0", "0", "0", "1", "1"]
