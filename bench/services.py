@@ -95,7 +95,7 @@ class VramguardService:
             for slot in range(group.workers):
                 env = {k: v.replace("%(host_node_name)s", self.name).replace("%(process_num)d", str(slot))
                        for k, v in worker_environment(group).items()}
-                self.stack.start_worker(env=env)
+                self.stack.start_worker(environ=env)
         try:
             wait_http_ok(f"{self.stack.url}/health/ready", READY_TIMEOUT_S, self.stack.gateway)
             self._wait_all_workers()

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.models import CATALOGUE, ModelConfig, ModelOverrides
@@ -67,7 +67,7 @@ class Settings(BaseSettings):
     # --- testing ---
     fault_injection: bool = False  # lets `synthetic` honour {"fault": ...} inputs (tests and demos only)
 
-    # --- observability (issue 5) ---
+    # --- observability ---
     # Worker watchdog: a probe forward on the backend's example inputs after this much idle time.
     probe_interval_s: float = Field(default=30.0, gt=0, le=3600)
     # Consecutive batches in which every item failed with model_error before the worker exits unhealthy.
@@ -75,24 +75,32 @@ class Settings(BaseSettings):
     # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
     probe_fault: Literal["none", "raise", "cuda_error"] = "none"
 
-    # --- memory budget (issue 3) ---
-    # The worker plans its batches from measured memory (worker/memory.py): the budget is
-    # watermark * total device memory / workers_per_gpu, and torch.cuda.set_per_process_memory_fraction
-    # hard-caps the process at that fraction.
+    # --- memory budget and placement ---
+    # The worker plans its batches from measured memory (worker/memory.py): its budget is its
+    # share of the device, memory_share x total device memory, and
+    # torch.cuda.set_per_process_memory_fraction hard-caps the process at that share. The shares
+    # of the workers on one device add up to at most the watermark (worker/ledger.py checks it
+    # on each host; deploy/placement.py before anything starts).
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
-    workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device
-    # Fraction of the device's total memory this worker process may use (deploy/up.py sets it per
-    # worker from the placement); None: watermark / workers_per_gpu.
+    workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device (all models)
+    # This worker's fraction of the device's total memory; unset: watermark / workers_per_gpu.
     memory_share: float | None = Field(None, gt=0, le=1)
-    sim_gpus: int = Field(0, ge=0, le=64)  # deploy/up.py: simulate this many GPUs (device=sim)
-    device_ledger_dir: str | None = None  # where workers on this host keep their per-device ledgers
+    # The one GPU this worker uses (an index or a GPU UUID), as the CUDA runtime reads it. On
+    # device=sim it names the simulated GPU: processes with the same value share one device.
+    cuda_visible_devices: str | None = Field(
+        None, validation_alias=AliasChoices("CUDA_VISIBLE_DEVICES", "cuda_visible_devices")
+    )
+    sim_gpus: int = Field(0, ge=0, le=64)  # `make up`: simulated GPUs the host has (0: look for real ones)
+    # Where workers on this host keep their per-device ledgers (registered shares; the simulated
+    # devices' memory). Unset: <tmp>/vramguard-devices. Processes that share a GPU must share it.
+    device_ledger_dir: str | None = None
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
     fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
     #                                           raises a CUDA error (one-shot, survives the restart it causes)
 
-    # --- delivery guarantees (issue 4) ---
+    # --- delivery guarantees ---
     # A pending entry idle longer than claim_idle_ms belongs to a dead worker and is reclaimed
     # (XAUTOCLAIM). Live workers refresh the idle time of the entries they hold every
     # reclaim_interval_ms, so claim_idle_ms only has to cover a few missed refreshes, not a batch.
@@ -120,7 +128,7 @@ class Settings(BaseSettings):
         if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_ttl_ms must exceed heartbeat_interval_ms")
         if self.memory_share is not None and self.memory_share > self.watermark:
-            raise ValueError(f"memory_share ({self.memory_share}) must not exceed watermark ({self.watermark})")
+            raise ValueError(f"memory_share ({self.memory_share}) must not exceed the watermark ({self.watermark})")
         if self.probe_fault != "none" and not self.fault_injection:
             raise ValueError("probe_fault needs fault_injection=true (tests and demos only)")
         for name in self.models:
@@ -139,7 +147,7 @@ class Settings(BaseSettings):
     def _check_delivery(self) -> Settings:
         # A live worker refreshes its entries every reclaim_interval_ms and beats every
         # heartbeat_interval_ms; claim_idle_ms must survive a few missed rounds of both, and the
-        # batch window, during which read entries are not yet refreshed (issue 4).
+        # batch window, during which read entries are not yet refreshed.
         window_ms = max((self.model_config_for(m).max_wait_ms for m in {self.model, *self.models}), default=0.0)
         floor_ms = 3 * max(self.reclaim_interval_ms, self.heartbeat_interval_ms) + window_ms
         if self.claim_idle_ms < floor_ms:
@@ -164,6 +172,12 @@ class Settings(BaseSettings):
         if "params" in changes:
             changes["params"] = {**base.params, **changes["params"]}
         return ModelConfig.model_validate({**base.model_dump(), **changes})
+
+    @property
+    def effective_memory_share(self) -> float:
+        """This worker's fraction of its device's total memory: `memory_share`, else the
+        watermark split evenly over `workers_per_gpu`."""
+        return self.memory_share if self.memory_share is not None else self.watermark / self.workers_per_gpu
 
     @property
     def consumer_name(self) -> str:

@@ -117,9 +117,9 @@ class Stack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, module: str, name: str, raw: dict[str, str] | None = None,
+    def _spawn(self, module: str, name: str, environ: dict[str, str] | None = None,
                **extra: object) -> subprocess.Popen[bytes]:
-        env = {**service_env(self.redis_url, **{**self.settings, **extra}), **(raw or {})}
+        env = {**service_env(self.redis_url, **{**self.settings, **extra}), **(environ or {})}
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log_files.append(log)
         return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -127,10 +127,11 @@ class Stack:
     def start_gateway(self, **extra: object) -> None:
         self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
 
-    def start_worker(self, env: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
-        """A worker with `extra` settings; `env` adds raw variables last (CUDA_VISIBLE_DEVICES...)."""
+    def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
+        """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
+        CUDA_VISIBLE_DEVICES) added to its environment."""
         index = len(self.workers)
-        proc = self._spawn("worker", f"worker-{index}", env, **{"worker_name": f"test-worker-{index}", **extra})
+        proc = self._spawn("worker", f"worker-{index}", environ, **{"worker_name": f"test-worker-{index}", **extra})
         self.workers.append(proc)
         return proc
 
