@@ -4,6 +4,8 @@
     python scripts/gpu_check.py load --url URL --model minilm -n 500
         fire N concurrent requests, then print each worker's memory from its heartbeat,
         the OOM count and the requests lost (must be 0)
+    python scripts/gpu_check.py shares --url URL --model minilm --workers 2
+        after `load` on several workers of one GPU: their budgets add up, no OOM
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WATERMARK = 0.8  # gpu_check.sh's stack of several workers runs at the default watermark
 
 
 class ResNet50Backend:
@@ -73,7 +77,7 @@ def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
     return {"model": "resnet50-fp16", "device": "cuda", **budget.plan.as_dict()}
 
 
-async def fire(url: str, model: str, n: int, workers_expected: int | None = None) -> None:
+async def fire(url: str, model: str, n: int) -> None:
     import httpx
 
     texts = [f"short text {i}" if i % 8 else " ".join(["long"] * 300) for i in range(n)]
@@ -92,7 +96,6 @@ async def fire(url: str, model: str, n: int, workers_expected: int | None = None
     counts = {s: statuses.count(s) for s in sorted(set(statuses))}
     lost = sum(c for s, c in counts.items() if s not in (200, 413))
     print(f"requests: {n}  statuses: {counts}  requests lost: {lost}")
-    failed = lost > 0 or not shares_add_up(workers, workers_expected)
     for worker_id, beat in workers.items():
         peak, budget = int(beat["mem_peak_bytes"]), int(beat["mem_budget_bytes"])
         print(f"worker {worker_id}: baseline {beat['plan_baseline_bytes']} weights {beat['plan_weights_bytes']} "
@@ -100,22 +103,23 @@ async def fire(url: str, model: str, n: int, workers_expected: int | None = None
               f"{beat['plan_max_batch_size']} max_batch_tokens {beat['plan_max_batch_tokens']} | peak allocated "
               f"{peak} vs budget {budget} ({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
               f"batch_splits {beat['batch_splits']} adaptive_cap {beat['adaptive_cap']}")
-    sys.exit(1 if failed else 0)
+    sys.exit(1 if lost else 0)
 
 
-def shares_add_up(workers: dict[str, dict[str, str]], expected: int | None) -> bool:
+def shares_add_up(url: str, model: str, expected: int) -> None:
     """Workers sharing one GPU: `expected` of them live, no OOM, and their budgets add up to at
-    most the watermark x the GPU's total (each heartbeat's mem_budget_bytes and mem_total_bytes)."""
-    if expected is None:
-        return True
+    most the watermark x the GPU's total (each heartbeat's mem_budget_bytes, mem_total_bytes).
+    Exits 1 otherwise."""
+    import httpx
+
+    workers = httpx.get(f"{url}/v1/models/{model}", timeout=10).json()["workers"]
     budgets = sum(int(b["mem_budget_bytes"]) for b in workers.values())
     total = max((int(b["mem_total_bytes"]) for b in workers.values()), default=0)
-    watermark = max((float(b.get("watermark", 0.8)) for b in workers.values()), default=0.8)
     ooms = sum(int(b["oom_events"]) for b in workers.values())
-    ok = len(workers) == expected and ooms == 0 and budgets <= watermark * total
+    ok = len(workers) == expected and ooms == 0 and budgets <= WATERMARK * total
     print(f"{len(workers)} of {expected} workers on one GPU: budgets add up to {budgets} bytes of "
-          f"{watermark} x {total} = {watermark * total:.0f}; OOM events {ooms} -> {'OK' if ok else 'FAILED'}")
-    return ok
+          f"{WATERMARK} x {total} = {WATERMARK * total:.0f}; OOM events {ooms} -> {'OK' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
 
 
 def main() -> None:
@@ -128,7 +132,10 @@ def main() -> None:
     load.add_argument("--url", required=True)
     load.add_argument("--model", default="minilm")
     load.add_argument("-n", type=int, default=500)
-    load.add_argument("--workers", type=int, help="expect this many workers on one GPU; check budgets and OOMs")
+    shares = sub.add_parser("shares")  # after `load` on a stack of several workers on one GPU
+    shares.add_argument("--url", required=True)
+    shares.add_argument("--model", default="minilm")
+    shares.add_argument("--workers", type=int, required=True)
     args = parser.parse_args()
     if args.command == "resnet":
         from worker.profile import render_table
@@ -136,8 +143,10 @@ def main() -> None:
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))
         print(json.dumps(result))
+    elif args.command == "shares":
+        shares_add_up(args.url, args.model, args.workers)
     else:
-        asyncio.run(fire(args.url, args.model, args.n, args.workers))
+        asyncio.run(fire(args.url, args.model, args.n))
 
 
 if __name__ == "__main__":

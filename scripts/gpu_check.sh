@@ -65,6 +65,7 @@ stop_stack
 
 run_stack "3. stack: 2 minilm workers on GPU 0 (WORKERS_PER_GPU=2), 500 concurrent requests" \
     VRAMGUARD_WATERMARK=0.8 -- --model minilm --gpus 0 --workers-per-gpu 2
-timeout 240 "$PY" scripts/gpu_check.py load --url "http://127.0.0.1:$PORT" --model minilm -n 500 --workers 2
+timeout 240 "$PY" scripts/gpu_check.py load --url "http://127.0.0.1:$PORT" --model minilm -n 500
+"$PY" scripts/gpu_check.py shares --url "http://127.0.0.1:$PORT" --model minilm --workers 2
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
 stop_stack
