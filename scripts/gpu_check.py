@@ -4,6 +4,8 @@
     python scripts/gpu_check.py load --url URL --model minilm -n 500
         fire N concurrent requests, then print each worker's memory from its heartbeat,
         the OOM count and the requests lost (must be 0)
+    python scripts/gpu_check.py shares --url URL --model minilm --workers 2
+        after `load` on several workers of one GPU: their budgets add up, no OOM
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+WATERMARK = 0.8  # gpu_check.sh's stack of several workers runs at the default watermark
 
 
 class ResNet50Backend:
@@ -106,6 +110,22 @@ async def fire(url: str, model: str, n: int) -> None:
     sys.exit(1 if lost else 0)
 
 
+def shares_add_up(url: str, model: str, expected: int) -> None:
+    """Workers sharing one GPU: `expected` of them live, no OOM, and their budgets add up to at
+    most the watermark x the GPU's total (each heartbeat's mem_budget_bytes, mem_total_bytes).
+    Exits 1 otherwise."""
+    import httpx
+
+    workers = httpx.get(f"{url}/v1/models/{model}", timeout=10).json()["workers"]
+    budgets = sum(int(b["mem_budget_bytes"]) for b in workers.values())
+    total = max((int(b["mem_total_bytes"]) for b in workers.values()), default=0)
+    ooms = sum(int(b["oom_events"]) for b in workers.values())
+    ok = len(workers) == expected and ooms == 0 and budgets <= WATERMARK * total
+    print(f"{len(workers)} of {expected} workers on one GPU: budgets add up to {budgets} bytes of "
+          f"{WATERMARK} x {total} = {WATERMARK * total:.0f}; OOM events {ooms} -> {'OK' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -116,6 +136,10 @@ def main() -> None:
     load.add_argument("--url", required=True)
     load.add_argument("--model", default="minilm")
     load.add_argument("-n", type=int, default=500)
+    shares = sub.add_parser("shares")  # after `load` on a stack of several workers on one GPU
+    shares.add_argument("--url", required=True)
+    shares.add_argument("--model", default="minilm")
+    shares.add_argument("--workers", type=int, required=True)
     args = parser.parse_args()
     if args.command == "resnet":
         from worker.profile import render_table
@@ -123,6 +147,8 @@ def main() -> None:
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))
         print(json.dumps(result))
+    elif args.command == "shares":
+        shares_add_up(args.url, args.model, args.workers)
     else:
         asyncio.run(fire(args.url, args.model, args.n))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -17,6 +18,8 @@ from pathlib import Path
 import httpx
 import redis
 
+from deploy.placement import WorkerGroup
+from deploy.programs import SHIPPED_CONF, write_programs
 from shared.redis_client import find_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,43 +171,41 @@ class Stack:
             log.close()  # type: ignore[attr-defined]
 
 
-SUPERVISORD_CONF = """\
-[supervisord]
-nodaemon=true
-logfile={dir}/supervisord.log
-pidfile={dir}/supervisord.pid
-childlogdir={dir}
-
-[program:worker]
-command={python} -m worker
-directory={root}
-autorestart=unexpected
-exitcodes=0
-startsecs=0
-startretries=100
-stopsignal=TERM
-stopwaitsecs=20
-stopasgroup=true
-killasgroup=true
-stdout_logfile={dir}/worker.log
-redirect_stderr=true
-"""
-
-
 class SupervisedWorker:
-    """One `python -m worker` under a real supervisord, restarted on any non-zero exit as
-    deploy/supervisord.conf does; config and logs (supervisord.log, worker.log) in `folder`."""
+    """One `python -m worker` under a real supervisord running the shipped deploy/supervisord.conf
+    (no Redis, no gateway programs) with the worker program deploy/up.py would generate for one
+    worker of env's VRAMGUARD_MODEL on one device; run dir (supervisord.log, the worker's log,
+    the include, the control socket) is `folder`. The program's environment names the worker
+    (`worker_name`), as `make up` does."""
 
     def __init__(self, folder: Path, env: dict[str, str]) -> None:
         self.folder = folder
         self.env = env
+        self.group = WorkerGroup(model=env.get("VRAMGUARD_MODEL", "minilm"), gpu=None, workers=1,
+                                 workers_on_device=1, share=None)
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def process(self) -> str:
+        """supervisor's name of the worker process (in supervisord.log)."""
+        return f"{self.group.program}-0"
+
+    @property
+    def worker_name(self) -> str:
+        """The worker's consumer name (worker_id in /status.json)."""
+        return f"{platform.node()}-{self.group.model}-{self.group.device_label}-0"
+
+    @property
+    def worker_log(self) -> Path:
+        return self.folder / f"{self.process}.log"
+
     def start(self) -> None:
-        conf = self.folder / "supervisord.conf"
-        conf.write_text(SUPERVISORD_CONF.format(dir=self.folder, python=sys.executable, root=ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
-                                     env=self.env, cwd=self.folder,
+        write_programs(self.folder, [self.group])
+        env = {**self.env, "VG_RUN_DIR": str(self.folder), "VG_ROOT": str(ROOT), "VG_PYTHON": sys.executable,
+               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_REDIS_SERVER": "redis-server",
+               "VG_REDIS_PORT": "0"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)],
+                                     env=env, cwd=self.folder,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:

@@ -62,10 +62,10 @@ async def test_200_concurrent_requests_on_a_small_simulated_device(stack: Stack)
 
 @pytest.fixture
 def supervised_worker(redis_server: RedisServer, key_prefix: str, tmp_path: Path) -> Iterator[Path]:
-    """A real supervisord (config generated in tmp_path) running one synthetic worker on the
+    """A real supervisord (the shipped config, run dir tmp_path) running one synthetic worker on the
     simulated device, with the one-shot CUDA error hook at tmp_path/cuda-error. Yields tmp_path."""
     env = service_env(
-        redis_server.url, key_prefix=key_prefix, model="synthetic", device="sim", worker_name="supervised-0",
+        redis_server.url, key_prefix=key_prefix, model="synthetic", device="sim",
         block_ms=200, heartbeat_interval_ms=200, heartbeat_ttl_ms=1500, fault_cuda_error_file=tmp_path / "cuda-error",
         models__synthetic__max_wait_ms=200, models__synthetic__params='{"batch_ms": 20}',
     )
