@@ -5,6 +5,7 @@ process's own environment (/proc/<pid>/environ) says which GPU it is pinned to a
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -190,3 +191,9 @@ async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server:
     for gpu, on_gpu in per_gpu.items():
         assert sum(int(b["oom_events"]) for b in on_gpu) == 0
         assert peaks[gpu] <= WATERMARK * int(on_gpu[0]["mem_total_bytes"]), (gpu, peaks)
+    # Every worker on a GPU has the plan its share gives, whatever order supervisor started them in:
+    # floor((share x 512 - 16 weights - 4 fixed) / 2 per item), capped at 64.
+    for gpu, n in (("0", 3), ("1", 2)):
+        share = math.floor(WATERMARK / n * 1e6) / 1e6  # make up writes shares rounded down to 6 decimals
+        expected = min(64, math.floor((share * 512 - 16 - 4) / 2))
+        assert {b["plan_batch_size"] for b in per_gpu[gpu]} == {expected}, per_gpu[gpu]
