@@ -70,7 +70,8 @@ class Heartbeat:
         """Write one heartbeat. Raises RedisError."""
         extra = self._extra_fields() if self._extra_fields is not None else {}
         fields = {k: str(v) for k, v in {**self._info, **asdict(self._stats), **extra, "beat_ms": now_ms()}.items()}
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # Not a MULTI: the hash and the model's index live in different Redis Cluster slots (shared/keys.py).
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._key, mapping=fields)  # type: ignore[arg-type]
             pipe.pexpire(self._key, self._settings.heartbeat_ttl_ms)
             pipe.zadd(self._index, {self._worker_id: now_ms()})
@@ -89,7 +90,7 @@ class Heartbeat:
         """Stop beating and remove this worker from the index at once (a clean exit)."""
         await self._beater.stop()
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
+            async with self._redis.pipeline(transaction=False) as pipe:  # two slots, as in beat()
                 pipe.delete(self._key)
                 pipe.zrem(self._index, self._worker_id)
                 await pipe.execute()
