@@ -13,7 +13,7 @@ import uuid
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from gateway.backpressure import ThroughputMeter, retry_after_s
 from gateway.health import Health
@@ -28,7 +28,7 @@ from shared.errors import (
 )
 from shared.keys import Keys
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from shared.redis_client import describe_data_loss
+from shared.redis_client import describe_data_loss, is_out_of_memory
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -165,10 +165,11 @@ class Dispatcher:
             return reply
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
-        except OutOfMemoryError as exc:
-            # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
-            raise UnavailableError(f"Redis is out of memory (maxmemory reached), request not queued: {exc}") from exc
         except RedisError as exc:
+            if is_out_of_memory(exc):
+                # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
+                raise UnavailableError(
+                    f"Redis is out of memory (maxmemory reached); request not queued: {exc}") from exc
             raise UnavailableError(f"Redis is unreachable: {exc}") from exc
         finally:
             self._listener.discard(request_id)

@@ -24,7 +24,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.settings import Settings
@@ -150,6 +150,14 @@ async def describe_data_loss(redis: aioredis.Redis) -> str:
         return (f"Redis evicted keys at maxmemory ({evicted} so far; its maxmemory-policy is not noeviction) "
                 f"and lost the request; retry")
     return "Redis lost the request (it restarted); retry"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for Redis' OOM refusal (maxmemory reached under noeviction): redis-py's OutOfMemoryError
+    for a plain command, a ResponseError quoting "-OOM" when a script's write was refused."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
 
 
 def _text(value: object) -> str:
