@@ -20,11 +20,12 @@ from gateway.dispatch import Dispatcher
 from gateway.health import Health
 from gateway.metrics import GatewayMetrics
 from gateway.observe import router as observe_router
+from gateway.queues import ensure_groups
 from gateway.replies import ReplyListener
 from gateway.routes import health_router, router
 from shared.errors import QueueFullError, UnauthorizedError, UnavailableError, VramguardError
 from shared.keys import Keys
-from shared.redis_client import connect, connect_blocking
+from shared.redis_client import check_eviction_policy, connect, connect_blocking
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
         await listener.start()
+        await check_eviction_policy(redis, settings)  # raises under redis_eviction_check=refuse
+        await ensure_groups(redis, keys, settings.served_models)
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
         try:

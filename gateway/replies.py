@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from shared.errors import UnavailableError
 from shared.periodic import Periodic
 from shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
+from shared.redis_client import describe_data_loss
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ class ReplyListener:
         try:
             if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
-                self.stream_lost(UnavailableError("Redis lost the request (it restarted); retry"))
+                self.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
                 await self._ensure_stream()
         except RedisError as exc:
             log.warning("reply stream keepalive failed", extra={"error": str(exc)})

@@ -38,6 +38,16 @@ class Settings(BaseSettings):
 
     # --- where things are ---
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # --- Redis topology (shared/redis_client.py): a plain URL, Sentinel, or Cluster ---
+    # Sentinel: host:port of each sentinel, comma-separated; the primary named redis_sentinel_master is
+    # looked up through them (redis_url then only gives the password and db number).
+    redis_sentinels: Annotated[list[str], NoDecode] = []
+    redis_sentinel_master: str = "vramguard"
+    redis_sentinel_password: SecretStr | None = None  # when the sentinels themselves require AUTH
+    # Cluster: redis_url names any one node; the client discovers the rest and follows MOVED.
+    redis_cluster: bool = False
+    # Start-up check of maxmemory-policy: "warn" logs loudly when Redis may evict our keys, "refuse" exits.
+    redis_eviction_check: Literal["warn", "refuse", "off"] = "warn"
     key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
@@ -111,12 +121,22 @@ class Settings(BaseSettings):
     # A consumer idle this long with no pending entries is a dead worker's; XGROUP DELCONSUMER removes it.
     consumer_idle_ms: int = Field(600_000, ge=1000)
 
-    @field_validator("served_models", mode="before")
+    @field_validator("served_models", "redis_sentinels", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> Settings:
+        if self.redis_sentinels and self.redis_cluster:
+            raise ValueError("redis_sentinels and redis_cluster exclude each other (Cluster fails over by itself)")
+        for address in self.redis_sentinels:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_sentinels: {address!r} is not host:port")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -190,6 +210,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         if self.api_key is not None:
             data["api_key"] = "***"
+        if self.redis_sentinel_password is not None:
+            data["redis_sentinel_password"] = "***"
         data["redis_url"] = mask_url_password(self.redis_url)
         return data
 

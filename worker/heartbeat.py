@@ -65,7 +65,8 @@ class Heartbeat:
     async def beat(self) -> None:
         """Write one heartbeat. Raises RedisError."""
         record = replace(self._snapshot(), beat_ms=now_ms())
-        async with self._redis.pipeline(transaction=True) as pipe:
+        # Not a MULTI: the hash and the model's index live in different Redis Cluster slots (shared/keys.py).
+        async with self._redis.pipeline(transaction=False) as pipe:
             pipe.hset(self._keys.heartbeat(record.worker_id), mapping=record.to_hash())  # type: ignore[arg-type]
             pipe.pexpire(self._keys.heartbeat(record.worker_id), self._settings.heartbeat_ttl_ms)
             pipe.zadd(self._keys.worker_index(record.model), {record.worker_id: record.beat_ms})
@@ -85,7 +86,7 @@ class Heartbeat:
         await self._beater.stop()
         record = self._snapshot()
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
+            async with self._redis.pipeline(transaction=False) as pipe:  # two slots, as in beat()
                 pipe.delete(self._keys.heartbeat(record.worker_id))
                 pipe.zrem(self._keys.worker_index(record.model), record.worker_id)
                 await pipe.execute()

@@ -31,7 +31,7 @@ from shared.clock import monotonic_ms
 from shared.heartbeat import WorkerBeat
 from shared.keys import GROUP, Keys
 from shared.protocol import EntryId
-from shared.redis_client import connect, connect_blocking
+from shared.redis_client import check_eviction_policy, connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Batcher, Entry
@@ -122,10 +122,11 @@ class Worker:
         )
         try:
             await self.ensure_group(redis)
+            await check_eviction_policy(redis, self.settings)
             await asyncio.to_thread(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
-        except RedisError as exc:
-            log.error("cannot reach Redis at start", extra={"error": str(exc)})
+        except (RedisError, RuntimeError) as exc:  # RuntimeError: an evicting Redis under eviction_check=refuse
+            log.error("cannot use Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except PlacementError as exc:
             log.error("memory share refused: the GPU is already fully shared", extra={"error": str(exc)})
