@@ -160,7 +160,9 @@ class Dispatcher:
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
-            raise UnavailableError(f"Redis is unreachable: {exc}") from exc
+            # The client gets no hostnames or Redis text; this log line, with its request id, has them.
+            log.warning("redis error during admission", extra={"request_id": request_id, "error": str(exc)})
+            raise UnavailableError("the broker is unreachable; retry later") from exc
         finally:
             self._listener.discard(request_id)
 

@@ -101,4 +101,6 @@ def _log_request(record: RequestRecord, outcome: str, elapsed_s: float) -> None:
         extra.update(worker_id=record.reply.worker_id, batch_size=record.reply.batch_size,
                      queue_delay_ms=record.reply.queue_delay_ms)
     # One line per request: errors at INFO, successes at DEBUG (the access log covers them when on).
-    log.log(logging.DEBUG if outcome == "ok" else logging.INFO, "request done", extra=extra)
+    # A client that hung up is its own business: DEBUG too, so no client can flood the log.
+    quiet = outcome in ("ok", "client_disconnected")
+    log.log(logging.DEBUG if quiet else logging.INFO, "request done", extra=extra)

@@ -128,6 +128,14 @@ class Settings(BaseSettings):
                 raise ValueError(detail) from None
         return self
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty key would turn authentication on with a key an empty header matches.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("is empty or whitespace; unset VRAMGUARD_API_KEY to serve without a key")
+        return value
+
     @model_validator(mode="after")
     def _check_delivery(self) -> Settings:
         # A live worker refreshes its entries every reclaim_interval_ms and beats every
