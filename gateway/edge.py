@@ -21,6 +21,8 @@ from shared.errors import (
 )
 from shared.models import ModelSpec, ParameterSpec
 
+MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
+
 JSON = "application/json"
 _WBITS = {"identity": 0, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's framing per encoding
 _PARAMETER_TYPES: dict[str, tuple[type, ...]] = {
@@ -144,3 +146,13 @@ def check_text_length(spec: ModelSpec, index: int, text: str, truncate: bool) ->
 def _visible(char: str) -> bool:
     # Unicode categories C* (control, format such as U+200B, unassigned) and Z* (separators) carry no token.
     return unicodedata.category(char)[0] not in "CZ"
+
+
+def header_timeout(value: str | None) -> int | None:
+    """X-Request-Timeout-Ms as ms, or None when absent. Raises InvalidInputError (422) unless it is
+    ASCII digits between 1 and MAX_TIMEOUT_MS ("²" passes str.isdigit but not int())."""
+    if value is None:
+        return None
+    if not is_ascii_number(value, max_digits=len(str(MAX_TIMEOUT_MS))) or not 1 <= int(value) <= MAX_TIMEOUT_MS:
+        raise InvalidInputError(f"X-Request-Timeout-Ms must be an integer number of ms between 1 and {MAX_TIMEOUT_MS}")
+    return int(value)

@@ -15,10 +15,10 @@ import base64
 from typing import Annotated, Literal
 
 import numpy as np
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Header, Request
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
-from gateway.edge import JSON, BadBodyError, read_body, require_media_type
+from gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from gateway.inference import inference_request, settings_of, submit
 from gateway.openapi import error_responses, request_body
 from shared.errors import InvalidInputError
@@ -77,8 +77,12 @@ class EmbeddingsResponse(BaseModel):
 
 @router.post(PATH, response_model=EmbeddingsResponse, openapi_extra=request_body(EmbeddingsRequest),
              responses=error_responses((400, 401, 404, 413, 415, 422, 429, 500, 503, 504), OpenAIError))
-async def embeddings(request: Request) -> EmbeddingsResponse:
-    """One embedding per input, in order, as floats or base64 of little-endian float32."""
+async def embeddings(
+    request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None
+) -> EmbeddingsResponse:
+    """One embedding per input, in order, as floats or base64 of little-endian float32.
+    X-Request-Timeout-Ms sets the deadline, as on the native route."""
+    timeout_ms = header_timeout(x_request_timeout_ms)
     require_media_type(request, {JSON})
     body = _parse(await read_body(request, settings_of(request).max_body_bytes))
     with inference_request(request, body.model) as record:
@@ -90,7 +94,7 @@ async def embeddings(request: Request) -> EmbeddingsResponse:
             raise BadBodyError(f"dimensions: model {body.model!r} returns {width} dimensions and cannot shorten them")
         inputs = _inputs(body)
         parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
-        reply = await submit(request, record, inputs, parameters, None, token_ids=not isinstance(inputs[0], str))
+        reply = await submit(request, record, inputs, parameters, timeout_ms, token_ids=not isinstance(inputs[0], str))
     data = [Embedding(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(reply.outputs or [])]
     return EmbeddingsResponse(data=data, model=body.model, usage=Usage(prompt_tokens=reply.cost,
                                                                        total_tokens=reply.cost))

@@ -12,12 +12,11 @@ from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
 from gateway.dispatch import Dispatcher
-from gateway.edge import JSON, is_ascii_number, read_body, require_media_type
+from gateway.edge import JSON, header_timeout, read_body, require_media_type
 from gateway.health import Health
 from gateway.inference import inference_request, settings_of, submit
 from gateway.openapi import NATIVE_ERRORS, error_responses, request_body
 from gateway.schemas import (
-    MAX_TIMEOUT_MS,
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -25,7 +24,7 @@ from gateway.schemas import (
     jsonable,
     parse_infer_request,
 )
-from shared.errors import InvalidInputError, UnauthorizedError
+from shared.errors import UnauthorizedError
 from shared.metrics import HISTOGRAM_FIELD
 from shared.models import CATALOGUE
 from shared.settings import Settings
@@ -82,7 +81,7 @@ async def infer(
     """Run `inputs` through `model`; one output per input, in order. The body must be
     application/json (optionally gzip-encoded); `parameters` takes only what the model declares."""
     with inference_request(request, model) as record:
-        header_ms = _header_timeout(x_request_timeout_ms)  # checked even when the body wins
+        header_ms = header_timeout(x_request_timeout_ms)  # checked even when the body wins
         require_media_type(request, {JSON})
         body = await read_body(request, settings_of(request).max_body_bytes)
         parsed = parse_infer_request(body)
@@ -141,13 +140,3 @@ def _model_info(request: Request, name: str) -> ModelInfo:
         live_workers=len(workers),
         workers=workers,
     )
-
-
-def _header_timeout(value: str | None) -> int | None:
-    """X-Request-Timeout-Ms as ms, or None when absent. Raises InvalidInputError (422) unless it is
-    ASCII digits between 1 and MAX_TIMEOUT_MS ("²" passes str.isdigit but not int())."""
-    if value is None:
-        return None
-    if not is_ascii_number(value, max_digits=len(str(MAX_TIMEOUT_MS))) or not 1 <= int(value) <= MAX_TIMEOUT_MS:
-        raise InvalidInputError(f"X-Request-Timeout-Ms must be an integer number of ms between 1 and {MAX_TIMEOUT_MS}")
-    return int(value)
