@@ -104,13 +104,15 @@ async def get_model(model: str, request: Request) -> ModelInfo:
     return _model_info(request, model)
 
 
-@health_router.api_route("/health/live", methods=["GET", "HEAD"])
+@health_router.get("/health/live")
+@health_router.head("/health/live", include_in_schema=False)  # one operation id per path in the schema
 async def live() -> dict[str, str]:
     """Liveness: the gateway process answers."""
     return {"status": "live"}
 
 
-@health_router.api_route("/health/ready", methods=["GET", "HEAD"])
+@health_router.get("/health/ready")
+@health_router.head("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: Redis answers and every served model has a worker with a fresh heartbeat and a
     recent successful probe; else 503 with the reasons."""
