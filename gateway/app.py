@@ -83,7 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
     app.include_router(health_router)
     app.include_router(observe_router)
-    install_schemas(app)
+    install_schemas(app, settings.served_models)
     _install_error_handlers(app)
     return app
 

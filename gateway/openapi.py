@@ -53,13 +53,19 @@ def error_responses(statuses: Iterable[int], body: type[BaseModel] = ErrorBody) 
     return {status: {"model": body, "description": _DESCRIPTIONS.get(status, "error")} for status in statuses}
 
 
-def install_schemas(app: FastAPI) -> None:
-    """Make `app.openapi()` include the body models `request_body` registered."""
+def install_schemas(app: FastAPI, served_models: list[str]) -> None:
+    """Make `app.openapi()` include the body models `request_body` registered, and name the served
+    models as the values of every `{model}` path parameter."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             schema.setdefault("components", {}).setdefault("schemas", {}).update(_EXTRA_SCHEMAS)
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    for parameter in operation.get("parameters", []):
+                        if parameter["in"] == "path" and parameter["name"] == "model":
+                            parameter["schema"] = {"type": "string", "enum": list(served_models)}
             app.openapi_schema = schema
         return app.openapi_schema
 
