@@ -117,7 +117,7 @@ def _inputs(body: EmbeddingsRequest) -> list[JsonValue]:
     if isinstance(value, str):
         return [value]
     if value and isinstance(value[0], int):
-        return [list(value)]  # type: ignore[arg-type]
+        return [list(value)]
     return list(value)  # type: ignore[arg-type]
 
 

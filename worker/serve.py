@@ -207,7 +207,7 @@ class BatchServer:
                 reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
                                              failed.error_message or "", **common)
             else:
-                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine],  # type: ignore[arg-type]
-                                     cost=sum(entry_costs), **common)
+                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine],
+                                     cost=sum(entry_costs), **common)  # type: ignore[arg-type]
             out.append(Outgoing(msg.reply_to, reply))
         return out

@@ -14,6 +14,7 @@ import pytest
 from gateway.app import create_app
 from shared.settings import Settings
 
+JSON_TYPE = {"Content-Type": "application/json"}
 INFER = "/v1/models/synthetic/infer"
 
 
@@ -115,7 +116,7 @@ async def test_every_error_of_an_inference_request_carries_its_request_id(
     async with gateway_with(settings) as gateway:
         cases = [
             (await gateway.post("/v1/models/nope/infer", json={"inputs": [1]}), 404, "model_not_found"),
-            (await gateway.post(INFER, content=b"{oops", headers={"Content-Type": "application/json"}), 400, "invalid_input"),
+            (await gateway.post(INFER, content=b"{oops", headers=JSON_TYPE), 400, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": []}), 422, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "0"}),
              422, "invalid_input"),
