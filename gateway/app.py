@@ -81,6 +81,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     app.include_router(openai_compat.router, dependencies=[Depends(require_api_key)])
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
+    app.include_router(kserve.health_router)
     app.include_router(health_router)
     app.include_router(observe_router)
     install_schemas(app, settings.served_models)

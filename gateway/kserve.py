@@ -34,7 +34,8 @@ DTYPES = {"BOOL": "?", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64
           "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 MODEL_VERSION = "1"
 
-router = APIRouter(tags=["kserve-v2"])
+router = APIRouter(tags=["kserve-v2"])  # behind the API key when one is set
+health_router = APIRouter(tags=["kserve-v2"])  # open, like /health/*, for probes
 
 
 class V2Error(BaseModel):
@@ -78,12 +79,12 @@ async def server_metadata() -> dict[str, object]:
     return {"name": "vramguard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
 
 
-@router.get("/v2/health/live")
+@health_router.get("/v2/health/live")
 async def server_live() -> dict[str, bool]:
     return {"live": True}
 
 
-@router.get("/v2/health/ready", responses=V2_ERRORS)
+@health_router.get("/v2/health/ready", responses=V2_ERRORS)
 async def server_ready(request: Request) -> JSONResponse:
     """200 when every served model has a live worker (gateway/health.py's readiness), else 503."""
     ok, _details = request.app.state.health.readiness()

@@ -231,6 +231,7 @@ def test_v2_errors_and_statuses(stacks: tuple[Stack, Stack]) -> None:
     full = [r for r in responses if r.status_code == 429]
     assert full and all(r.headers["Retry-After"].isdigit() for r in full), [r.status_code for r in responses]
     assert httpx.post(f"{keyed.url}/v2/models/synthetic/infer", json=body).status_code == 401
+    assert httpx.get(f"{keyed.url}/v2/health/live").status_code == 200  # probes stay open
 
 
 def test_long_text_policy_on_every_route(stacks: tuple[Stack, Stack]) -> None:
@@ -247,3 +248,6 @@ def test_long_text_policy_on_every_route(stacks: tuple[Stack, Stack]) -> None:
     v2_cut = httpx.post(f"{stack.url}/v2/models/minilm/infer", json=v2)
     assert v2_cut.status_code == 200
     np.testing.assert_allclose(v2_cut.json()["outputs"][0]["data"], cut.json()["outputs"][0], atol=1e-5)
+    # Visible to the gateway, but no token for the model (a lone combining accent): refused by the worker.
+    no_tokens = httpx.post(f"{stack.url}/v1/models/minilm/infer", json={"inputs": ["ok", "\u0301"]})
+    assert no_tokens.status_code == 422 and "inputs[1]: no tokens" in no_tokens.text, no_tokens.text
