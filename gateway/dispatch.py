@@ -160,9 +160,8 @@ class Dispatcher:
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
-            # The client gets no hostnames or Redis text; this log line, with its request id, has them.
-            log.warning("redis error during admission", extra={"request_id": request_id, "error": str(exc)})
-            raise UnavailableError("the broker is unreachable; retry later") from exc
+            # The client gets no hostnames or Redis text; the request's log line has them (detail).
+            raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
 

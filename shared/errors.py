@@ -25,10 +25,13 @@ class VramguardError(Exception):
     code: str = "internal"
     http_status: int = 500
 
-    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+    def __init__(self, message: str, *, request_id: str | None = None, detail: str | None = None) -> None:
+        """`message` is sent to the client; `detail` (hostnames, addresses, a library's exception
+        text) only goes to the request's log line."""
         super().__init__(message)
         self.message = message
         self.request_id = request_id
+        self.detail = detail
 
 
 class InvalidInputError(VramguardError):
@@ -81,8 +84,10 @@ class QueueFullError(VramguardError):
     code = "queue_full"
     http_status = 429
 
-    def __init__(self, message: str, *, retry_after_s: int = 1, request_id: str | None = None) -> None:
-        super().__init__(message, request_id=request_id)
+    def __init__(
+        self, message: str, *, retry_after_s: int = 1, request_id: str | None = None, detail: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id, detail=detail)
         self.retry_after_s = retry_after_s
 
 

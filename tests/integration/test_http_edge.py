@@ -5,6 +5,7 @@ internal details, and the API key refused at start when blank."""
 from __future__ import annotations
 
 import gzip
+import logging
 import subprocess
 import sys
 import zlib
@@ -102,7 +103,10 @@ async def test_text_length_policy_at_the_gateway(gateway: httpx.AsyncClient) -> 
     assert ids.status_code == 413 and ids.json()["error"]["code"] == "input_too_long"
 
 
-async def test_error_bodies_carry_no_redis_address(settings_factory: Callable[..., Settings]) -> None:
+async def test_error_bodies_carry_no_redis_address(
+    settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.metrics")
     server = RedisServer()
     server.start()
     port = server.port
@@ -117,6 +121,10 @@ async def test_error_bodies_carry_no_redis_address(settings_factory: Callable[..
             response = await gateway.post(path, json=body)
             assert response.status_code == 503 and response.headers["Retry-After"] == "1"
             assert "127.0.0.1" not in response.text and str(port) not in response.text, response.text
+            # The log line of the same request id has what the client was not told.
+            request_id = response.json()["error"]["request_id"]
+            (line,) = [r for r in caplog.records if getattr(r, "request_id", None) == request_id]
+            assert str(port) in line.error_detail  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("key", ["", "   "])

@@ -37,7 +37,8 @@ def stacks(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) 
         open_stack.start_gateway()
         keyed.start_gateway(api_key=KEY, models__synthetic__queue_bound=2)
         open_stack.start_worker(model="minilm")
-        open_stack.start_worker(model="synthetic", models__synthetic__params='{"batch_ms": 200}')
+        open_stack.start_worker(model="synthetic", models__synthetic__params='{"batch_ms": 200}',
+                                fault_injection=True)
         asyncio.run(open_stack.wait_ready(120))
         yield open_stack, keyed
     finally:
@@ -134,23 +135,30 @@ def test_openai_errors_in_openai_shape(stacks: tuple[Stack, Stack]) -> None:
     assert empty.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
-def test_openai_client_does_not_retry_a_504(stacks: tuple[Stack, Stack]) -> None:
+def outcome_count(stack: Stack, model: str, outcome: str) -> float:
+    text = httpx.get(f"{stack.url}/metrics").text
+    line = next((ln for ln in text.splitlines() if ln.startswith("vramguard_requests_total")
+                 and f'model="{model}"' in ln and f'outcome="{outcome}"' in ln), None)
+    return float(line.rsplit(" ", 1)[1]) if line else 0.0
+
+
+def test_openai_client_does_not_retry_a_504_or_a_model_error(stacks: tuple[Stack, Stack]) -> None:
     stack, _ = stacks
-
-    def deadline_count() -> float:
-        text = httpx.get(f"{stack.url}/metrics").text
-        line = next((ln for ln in text.splitlines() if ln.startswith("vramguard_requests_total")
-                     and 'model="minilm"' in ln and 'outcome="deadline_exceeded"' in ln), None)
-        return float(line.rsplit(" ", 1)[1]) if line else 0.0
-
-    before = deadline_count()
+    before = outcome_count(stack, "minilm", "deadline_exceeded")
     client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused",  # default max_retries=2
                            default_headers={"X-Request-Timeout-Ms": "1"})
     with pytest.raises(openai.APIStatusError) as info:
         client.embeddings.create(model="minilm", input="hi")
     assert info.value.status_code == 504
     assert info.value.response.headers["x-should-retry"] == "false"
-    assert deadline_count() == before + 1  # one request, not three
+    assert outcome_count(stack, "minilm", "deadline_exceeded") == before + 1  # one request, not three
+    # A 500 model_error, through the same client's generic POST (which retries 5xx by default).
+    before = outcome_count(stack, "synthetic", "model_error")
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused")  # default max_retries=2, no deadline
+    with pytest.raises(openai.InternalServerError) as info:
+        client.post("/models/synthetic/infer", body={"inputs": [{"fault": "raise"}]}, cast_to=httpx.Response)
+    assert info.value.response.headers["x-should-retry"] == "false", info.value.response.text
+    assert outcome_count(stack, "synthetic", "model_error") == before + 1, info.value.response.text
 
 
 # --- KServe v2 ----------------------------------------------------------------------------------
