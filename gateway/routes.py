@@ -11,10 +11,9 @@ from fastapi import APIRouter, Depends, Header, Request
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 
-from gateway.dispatch import Dispatcher
 from gateway.edge import JSON, header_timeout, read_body, require_media_type
 from gateway.health import Health
-from gateway.inference import inference_request, settings_of, submit
+from gateway.inference import dispatcher_of, inference_request, settings_of, submit
 from gateway.openapi import NATIVE_ERRORS, error_responses, request_body
 from gateway.schemas import (
     InferRequest,
@@ -27,13 +26,12 @@ from gateway.schemas import (
 from shared.errors import UnauthorizedError
 from shared.metrics import HISTOGRAM_FIELD
 from shared.models import CATALOGUE
-from shared.settings import Settings
 
 
 def require_api_key(request: Request) -> None:
     """When `Settings.api_key` is set, the request must carry it as `Authorization: Bearer <key>` or
     `X-API-Key: <key>`; else UnauthorizedError (401). Compared in constant time."""
-    key = _settings(request).api_key
+    key = settings_of(request).api_key
     if key is None:
         return
     expected = key.get_secret_value().encode()
@@ -55,16 +53,8 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 health_router = APIRouter()
 
 
-def _dispatcher(request: Request) -> Dispatcher:
-    return request.app.state.dispatcher  # type: ignore[no-any-return]
-
-
 def _health(request: Request) -> Health:
     return request.app.state.health  # type: ignore[no-any-return]
-
-
-def _settings(request: Request) -> Settings:
-    return request.app.state.settings  # type: ignore[no-any-return]
 
 
 @router.post(
@@ -94,13 +84,13 @@ async def infer(
 @router.get("/v1/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
     """The served models with their batching settings and live workers."""
-    models = [_model_info(request, name) for name in _settings(request).served_models]
+    models = [_model_info(request, name) for name in settings_of(request).served_models]
     return ModelList(data=models, models=models)
 
 
 @router.get("/v1/models/{model}", response_model=ModelInfo)
 async def get_model(model: str, request: Request) -> ModelInfo:
-    _dispatcher(request).check_model(model)
+    dispatcher_of(request).check_model(model)
     return _model_info(request, model)
 
 
@@ -123,7 +113,7 @@ async def ready(request: Request) -> JSONResponse:
 @router.get("/v1/models/{model}/ready")
 async def model_ready(model: str, request: Request) -> JSONResponse:
     """Per-model readiness: a worker of `model` with a fresh heartbeat and a recent successful probe."""
-    _dispatcher(request).check_model(model)
+    dispatcher_of(request).check_model(model)
     ok, details = _health(request).model_readiness(model)
     return JSONResponse(details, status_code=200 if ok else 503)
 
@@ -138,7 +128,7 @@ def _model_info(request: Request, name: str) -> ModelInfo:
         description=spec.description,
         input_kind=spec.input_kind,
         output=spec.output,
-        config=_settings(request).model_config_for(name),
+        config=settings_of(request).model_config_for(name),
         live_workers=len(workers),
         workers=workers,
     )

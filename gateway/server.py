@@ -154,5 +154,3 @@ def uvicorn_options(settings: Settings) -> dict[str, object]:
         "server_header": False,  # do not announce the server software to clients
     }
 
-
-assert httptools.__version__  # the parser the limits and the framing checks rely on
