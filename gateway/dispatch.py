@@ -166,11 +166,12 @@ class Dispatcher:
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
+            # The client gets no hostnames or Redis text; the request's log line has them (detail).
             if is_out_of_memory(exc):
                 # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
-                raise UnavailableError(
-                    f"Redis is out of memory (maxmemory reached); request not queued: {exc}") from exc
-            raise UnavailableError(f"Redis is unreachable: {exc}") from exc
+                raise UnavailableError("Redis is out of memory (maxmemory reached); request not queued, retry later",
+                                       detail=str(exc)) from exc
+            raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
 

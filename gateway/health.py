@@ -103,7 +103,7 @@ class Health:
         if self.shutting_down:
             raise UnavailableError("the gateway is shutting down")
         if not self.view.redis_ok:
-            raise UnavailableError(f"Redis is unreachable: {self.view.redis_error}")
+            raise UnavailableError("the broker is unreachable; retry later", detail=self.view.redis_error)
         if not self.live_workers(model):
             raise UnavailableError(f"no live worker serves model {model!r}")
 

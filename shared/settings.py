@@ -73,6 +73,16 @@ class Settings(BaseSettings):
     access_log: bool = False
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # The HTTP server's limits against slow or hostile clients (gateway/server.py). Keep-alive:
+    # longer than the idle timeout of the pools and load balancers in front (ALB 60 s, nginx 60 s,
+    # aiohttp 15 s, httpx 5 s), so the client side always closes an idle connection first and never
+    # sends a request on one the gateway is closing.
+    http_keep_alive_s: int = Field(75, ge=1, le=3600)
+    http_header_timeout_s: float = Field(10.0, gt=0, le=600)  # connection start (or first byte) to end of headers
+    http_body_timeout_s: float = Field(60.0, gt=0, le=3600)  # end of headers to end of body
+    http_max_connections: int = Field(1000, ge=1)  # open connections; past it a new one is closed at once
+    http_max_headers: int = Field(100, ge=1, le=10_000)  # header lines per request; past it 431
+    http_max_header_bytes: int = Field(16_384, ge=1024, le=1_048_576)  # request line + headers; past it 431
 
     # --- testing ---
     fault_injection: bool = False  # lets `synthetic` honour {"fault": ...} inputs (tests and demos only)
@@ -162,6 +172,14 @@ class Settings(BaseSettings):
                 )
                 raise ValueError(detail) from None
         return self
+
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty key would turn authentication on with a key an empty header matches.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("is empty or whitespace; unset VRAMGUARD_API_KEY to serve without a key")
+        return value
 
     @model_validator(mode="after")
     def _check_delivery(self) -> Settings:

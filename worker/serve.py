@@ -140,7 +140,7 @@ class BatchServer:
         if self.context_lost:  # another batch's forward broke the context while this one ran
             return False
         duration_ms = monotonic_ms() - started
-        outgoing = self._replies(group, results, len(items), batch_start_ms)
+        outgoing = self._replies(group, results, len(items), batch_start_ms, costs)
         delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
         self._watchdog.record_batch(results)
         self._metrics.observe_batch(len(items), delays_ms, duration_ms)
@@ -186,7 +186,7 @@ class BatchServer:
                 outgoing.append(self._failure(entry, DeadlineExceededError.code, "deadline passed while queued"))
                 continue
             try:
-                live.append((entry, self._backend.decode(msg.inputs)))
+                live.append((entry, self._backend.decode(msg.inputs, msg.parameters)))
             except InvalidInputError as exc:
                 outgoing.append(self._failure(entry, exc.code, exc.message))
         return outgoing, dead, live
@@ -197,11 +197,12 @@ class BatchServer:
                                                                      worker_id=self.worker_id))
 
     def _replies(
-        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int
+        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int,
+        costs: list[list[int]],
     ) -> list[Outgoing]:
         out: list[Outgoing] = []
         offset = 0
-        for entry, items in live:
+        for (entry, items), entry_costs in zip(live, costs, strict=True):
             msg = entry.message
             assert msg is not None
             mine = results[offset : offset + len(items)]
@@ -213,6 +214,7 @@ class BatchServer:
                 reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
                                              failed.error_message or "", **common)
             else:
-                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine], **common)  # type: ignore[arg-type]
+                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine],
+                                     cost=sum(entry_costs), **common)  # type: ignore[arg-type]
             out.append(Outgoing(msg.reply_to, reply))
         return out

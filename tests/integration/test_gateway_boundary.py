@@ -14,6 +14,7 @@ import pytest
 from gateway.app import create_app
 from shared.settings import Settings
 
+JSON_TYPE = {"Content-Type": "application/json"}
 INFER = "/v1/models/synthetic/infer"
 
 
@@ -93,7 +94,7 @@ async def test_api_key_guards_v1_routes_only(settings_factory: Callable[..., Set
 
 
 async def test_unknown_route_and_wrong_method_use_the_error_format(gateway: httpx.AsyncClient) -> None:
-    error = error_of(await gateway.get("/v2/nothing"), 404, "not_found")
+    error = error_of(await gateway.get("/v3/nothing"), 404, "not_found")
     assert error["request_id"] is None
     wrong_method = await gateway.delete("/v1/models")
     error = error_of(wrong_method, 405, "method_not_allowed")
@@ -115,7 +116,7 @@ async def test_every_error_of_an_inference_request_carries_its_request_id(
     async with gateway_with(settings) as gateway:
         cases = [
             (await gateway.post("/v1/models/nope/infer", json={"inputs": [1]}), 404, "model_not_found"),
-            (await gateway.post(INFER, content=b"{oops"), 400, "invalid_input"),
+            (await gateway.post(INFER, content=b"{oops", headers=JSON_TYPE), 400, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": []}), 422, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "0"}),
              422, "invalid_input"),

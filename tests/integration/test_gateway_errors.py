@@ -6,6 +6,8 @@ import httpx
 
 from tests.helpers import wait_until
 
+JSON_TYPE = {"Content-Type": "application/json"}
+
 
 async def ready(gateway: httpx.AsyncClient) -> None:
     async def check() -> bool:
@@ -48,11 +50,13 @@ async def test_round_trip_and_errors(gateway, start_worker) -> None:
         (await gateway.post("/v1/models/synthetic/infer", json={"input": [1]}), 422, "invalid_input"),
         (await gateway.post("/v1/models/minilm/infer", json={"inputs": [42]}), 422, "invalid_input"),
         (await gateway.post("/v1/models/minilm/infer", json={"inputs": [""]}), 422, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b"{oops"), 400, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": [NaN]}'), 422, "invalid_input"),
+        (await gateway.post("/v1/models/synthetic/infer", content=b"{oops", headers=JSON_TYPE), 400, "invalid_input"),
+        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": [NaN]}', headers=JSON_TYPE),
+         422, "invalid_input"),
         (await gateway.post("/v1/models/synthetic/infer", json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "x"}),
          422, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": ["' + b"a" * 9_000_000 + b'"]}'),
+        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": ["' + b"a" * 9_000_000 + b'"]}',
+                            headers=JSON_TYPE),
          413, "payload_too_large"),
     ]
     for response, status, code in cases:
