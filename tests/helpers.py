@@ -1,5 +1,5 @@
-"""Test helpers: wait_until, free ports, a real redis-server process, and real gateway and
-worker processes (`Stack`)."""
+"""Test helpers: wait_until, free ports, a real redis-server process, an in-process gateway
+(`gateway_with`), and real gateway and worker processes (`Stack`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
@@ -21,6 +22,7 @@ import redis
 from deploy.placement import WorkerGroup
 from deploy.programs import SHIPPED_CONF, write_programs
 from shared.redis_client import find_redis_server
+from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,6 +31,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client bound to an in-process gateway built from `settings` (its lifespan run),
+    like the `gateway` fixture, for settings a test chooses."""
+    from gateway.app import create_app
+
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            yield client
 
 
 async def wait_until(

@@ -5,26 +5,16 @@ the request id on every error of an inference request."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from gateway.app import create_app
 from shared.settings import Settings
+from tests.helpers import gateway_with
 
 JSON_TYPE = {"Content-Type": "application/json"}
 INFER = "/v1/models/synthetic/infer"
-
-
-@asynccontextmanager
-async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """Like the `gateway` fixture, for settings a test chooses."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-            yield client
 
 
 def error_of(response: httpx.Response, status: int, code: str) -> dict[str, object]:

@@ -9,27 +9,17 @@ import logging
 import subprocess
 import sys
 import zlib
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from gateway.app import create_app
 from shared.models import CATALOGUE
 from shared.settings import Settings
-from tests.helpers import ROOT, RedisServer, free_port, service_env, wait_until
+from tests.helpers import ROOT, RedisServer, free_port, gateway_with, service_env, wait_until
 
 INFER = "/v1/models/synthetic/infer"
 JSON = {"Content-Type": "application/json"}
-
-
-@asynccontextmanager
-async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-            yield client
 
 
 def code_of(response: httpx.Response) -> str:
