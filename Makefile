@@ -34,7 +34,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 up: $(VENV)/.installed
 	$(BIN)/python deploy/up.py --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) \
-		$(if $(GPUS),--gpus $(GPUS)) $(if $(PLACEMENT),--placement $(PLACEMENT))
+		$(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
 
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

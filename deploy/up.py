@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -147,6 +148,9 @@ def build_env(workers_only: bool, groups: list[WorkerGroup]) -> dict[str, str]:
             sys.exit(f"up: port {redis_port} is taken; set VRAMGUARD_REDIS_PORT or VRAMGUARD_REDIS_URL")
         env["VRAMGUARD_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     env["VRAMGUARD_PORT"] = env_port(env, "VRAMGUARD_PORT", "8000")
+    if start_redis and not workers_only and env["VRAMGUARD_PORT"] == redis_port:
+        sys.exit(f"up: VRAMGUARD_PORT and VRAMGUARD_REDIS_PORT are both {redis_port}; the gateway and Redis "
+                 "need a port each")
     if not workers_only and port_in_use(int(env["VRAMGUARD_PORT"])):
         sys.exit(f"up: port {env['VRAMGUARD_PORT']} is taken; set VRAMGUARD_PORT")
     if env.get("VRAMGUARD_SIM_GPUS", "0") not in ("", "0"):
@@ -200,10 +204,10 @@ def fatal_programs(conf: Path, env: dict[str, str]) -> list[str]:
 
 
 def report_fatal(names: list[str], run_dir: str) -> None:
-    """Say which programs supervisor gave up on and why: the last distinct errors of their logs."""
+    """Say which programs cannot start and why: the last distinct errors of their logs."""
     for name in names:
         log_path = Path(run_dir) / f"{name.split(':')[-1]}.log"
-        print(f"up: {name} cannot start (supervisor gave up); see {log_path}", flush=True)
+        print(f"up: {name} cannot start; see {log_path}", flush=True)
         lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
         reasons: list[str] = []
         for line in lines:
@@ -219,8 +223,26 @@ def report_fatal(names: list[str], run_dir: str) -> None:
             print(f"    {reason[:400]}", flush=True)
 
 
+# "exited: worker-synthetic-gpu0-1 (exit status 3; not expected)" in supervisord's log.
+EXITED = re.compile(r"exited: (\S+) \(exit status (\d+); not expected\)")
+
+
+def failing_at_start(run_dir: str) -> list[str]:
+    """Processes that exited unexpectedly at least twice before the stack was ready, from
+    supervisord's log. A worker imports torch and loads weights before it can fail, which takes
+    longer than supervisor's `startsecs`, so supervisor sees a crash loop of "running" processes
+    and never gives up (FATAL); two failed starts in a row are the launcher's sign instead."""
+    log_path = Path(run_dir) / "supervisord.log"
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    counts: dict[str, int] = {}
+    for name, _status in EXITED.findall(text):
+        counts[name] = counts.get(name, 0) + 1
+    return [name for name, n in counts.items() if n >= 2]
+
+
 def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str]) -> bool:
-    """Poll /health/ready until 200. Stops early (False) when supervisord exits or gives up on a program."""
+    """Poll /health/ready until 200. Stops early (False) when supervisord exits, gives up on a
+    program, or a program keeps exiting at start (its logged errors are printed)."""
     url = f"http://127.0.0.1:{port}/health/ready"
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = ""
@@ -228,9 +250,9 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
     while time.monotonic() < deadline and proc.poll() is None:
         polls += 1
         if polls % 6 == 0:  # every ~3 s
-            fatal = fatal_programs(conf, env)
-            if fatal:
-                report_fatal(fatal, env["VG_RUN_DIR"])
+            failing = fatal_programs(conf, env) or failing_at_start(env["VG_RUN_DIR"])
+            if failing:
+                report_fatal(failing, env["VG_RUN_DIR"])
                 return False
         try:
             response = httpx.get(url, timeout=2.0)
@@ -250,7 +272,8 @@ def describe(groups: list[WorkerGroup]) -> str:
     """One line per worker program: what runs where, with what share."""
     lines = []
     for g in groups:
-        where = "the CPU" if g.gpu is None else f"GPU {g.gpu.index} ({g.gpu.visible_id})"
+        where = f"GPU {g.gpu.index} ({g.gpu.visible_id})" if g.gpu is not None else (
+            "a simulated device of its own" if os.environ.get("VRAMGUARD_DEVICE") == "sim" else "the CPU")
         share = "" if g.share is None else f", {g.share:g} of its memory each"
         lines.append(f"up: {g.program}: {g.workers} x {g.model} on {where}{share}")
     return "\n".join(lines)

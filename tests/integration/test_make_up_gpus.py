@@ -197,3 +197,32 @@ async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server:
         share = math.floor(WATERMARK / n * 1e6) / 1e6  # make up writes shares rounded down to 6 decimals
         expected = min(64, math.floor((share * 512 - 16 - 4) / 2))
         assert {b["plan_batch_size"] for b in per_gpu[gpu]} == {expected}, per_gpu[gpu]
+
+
+@pytest.mark.slow
+def test_workers_that_keep_failing_at_start_are_reported_and_the_stack_stops(redis_server: RedisServer,
+                                                                             key_prefix: str, tmp_path: Path) -> None:
+    """1. make up MODEL=synthetic WORKERS_PER_GPU=3 on one simulated GPU of 512 MiB: each worker's
+       share (0.8 / 3 = 136.5 MiB) cannot hold its 128 MiB of weights + 16 MiB + one item.
+    2. The workers exit 3 at start, again and again: they fail after supervisor's startsecs, so
+       supervisor itself never gives up.
+    Result: make up names the failing workers and the reason from their logs, stops the stack and
+    exits non-zero well before its readiness timeout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env.update(VRAMGUARD_SIM_GPUS="1", VRAMGUARD_PORT=str(free_port()), VRAMGUARD_REDIS_URL=redis_server.url,
+               VRAMGUARD_KEY_PREFIX=key_prefix, VRAMGUARD_DEVICE_LEDGER_DIR=str(tmp_path / "ledger"))
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "3"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    run_dir = ROOT / ".run" / env["VRAMGUARD_PORT"]
+    supervisord = int((run_dir / "supervisord.pid").read_text()) if (run_dir / "supervisord.pid").exists() else None
+    log = (run_dir / "supervisord.log").read_text(errors="replace")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    assert done.returncode == 1, done.stdout[-3000:]
+    assert "worker-synthetic-gpu0-" in done.stdout and "cannot start" in done.stdout, done.stdout[-3000:]
+    assert "cannot hold" in done.stdout and "not ready; stopping" in done.stdout, done.stdout[-3000:]
+    assert time.monotonic() - started < 200
+    assert "exit status 3" in log and "stopped: gateway" in log  # it stopped everything it ran
+    if supervisord is not None:  # supervisord removes its pid file on a clean exit
+        with pytest.raises(ProcessLookupError):
+            os.kill(supervisord, 0)
