@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway import kserve, openai_compat
@@ -65,8 +66,13 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
         await listener.start()
-        await check_eviction_policy(redis, settings)  # raises under redis_eviction_check=refuse
-        await ensure_groups(redis, keys, settings.served_models)
+        try:
+            await check_eviction_policy(redis, settings)  # raises RuntimeError under redis_eviction_check=refuse
+            await ensure_groups(redis, keys, settings.served_models)
+        except RedisError as exc:
+            # Start anyway: readiness and admission answer 503 until Redis answers, and the first
+            # worker to connect creates the groups (DESIGN.md: Redis down means 503, then recovery).
+            log.warning("Redis unreachable at start; answering 503 until it is back", extra={"error": str(exc)})
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
         try:

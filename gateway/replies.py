@@ -86,8 +86,12 @@ class ReplyListener:
                 future.set_exception(error)
 
     async def start(self) -> None:
-        """Create the reply stream and start reading; raises RedisError if Redis is down at start."""
-        await self._ensure_stream()
+        """Create the reply stream and start reading. With Redis down at start the stream is
+        created by the keepalive once Redis answers; admission answers 503 until then."""
+        try:
+            await self._ensure_stream()
+        except RedisError as exc:
+            log.warning("cannot create the reply stream yet; Redis unreachable", extra={"error": str(exc)})
         self._reader = asyncio.create_task(self._read_loop(), name="reply-listener")
         self._keepalive.start()
 
