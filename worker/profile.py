@@ -24,19 +24,35 @@ from worker.plan import Fit, MemoryPlanError, Plan, plan_budget
 MIB = 1024 * 1024
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, choices=sorted(CATALOGUE))
     parser.add_argument("--device", choices=["cuda", "cpu", "sim"], help="default: VRAMGUARD_DEVICE (auto)")
-    parser.add_argument("--total-bytes", type=int, help="plan for a device of this size (a GPU you don't have yet); "
-                        "on sim, the simulated device's size")
-    parser.add_argument("--watermark", type=float, help="fraction of device memory the workers may use (0.8)")
-    parser.add_argument("--workers-per-gpu", type=int, help="worker processes sharing the device, each with "
-                        "watermark / K of it (1)")
-    parser.add_argument("--share", type=float, action="append", metavar="S",
-                        help="a worker's fraction of the device's memory; repeat for each worker on the GPU "
-                        "(their sum must not exceed the watermark)")
+    parser.add_argument("--total-bytes", type=_positive_int,
+                        help="plan for a device of this size, from the forwards measured on --device (a larger GPU "
+                        "than this one, say); on sim, the simulated device's size")
+    parser.add_argument("--watermark", type=_fraction, help="fraction of device memory the workers may use (0.8)")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--workers-per-gpu", type=_positive_int,
+                           help="worker processes sharing the device, each with watermark / K of it (1)")
+    placement.add_argument("--share", type=_fraction, action="append", metavar="S",
+                           help="a worker's fraction of the device's memory; repeat for each worker on the GPU "
+                           "(their sum must not exceed the watermark)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser.parse_args(argv)
 

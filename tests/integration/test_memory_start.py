@@ -70,3 +70,14 @@ def test_profile_table_shows_the_plan_and_a_progress_bar() -> None:
 def test_profile_names_a_budget_too_small() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(170 * MIB))
     assert done.returncode == 1 and "cannot hold" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--workers-per-gpu", "0"), "--workers-per-gpu: must be at least 1"),
+    (("--watermark", "1.5"), "--watermark: must be a fraction in (0, 1]"),
+    (("--total-bytes", "-5"), "--total-bytes: must be at least 1"),
+    (("--workers-per-gpu", "2", "--share", "0.3"), "not allowed with argument --workers-per-gpu"),
+])
+def test_profile_refuses_bad_arguments_naming_them(args: tuple[str, ...], message: str) -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
