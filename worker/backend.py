@@ -49,11 +49,15 @@ class ModelBackend(Protocol):
         The memory planner counts what is allocated here as the weights."""
 
     def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
-        """One request's wire inputs -> one item per input, in order; CPU work (parsing, image decoding).
+        """One request's wire inputs -> one item per input, in order; CPU work (parsing, tokenizing,
+        image decoding), run on the worker's thread pool.
 
         `inputs` arrive as the model's InputKind declares: str (text), JSON values (json; lists,
         dicts, finite numbers), or bytes (bytes; already un-based64'd). `parameters` is the
-        request's `parameters` object (JSON values). Raises InvalidInputError (422) naming the input.
+        request's `parameters` object (JSON values), already checked by the gateway against the
+        catalogue entry's declared `parameters`. Raises InvalidInputError for an input the model
+        cannot take (the request gets 422, or its subclass's status such as 413 input_too_long;
+        the rest of the batch goes on).
         """
 
     def item_cost(self, item: object) -> int:

@@ -56,6 +56,17 @@ def test_contract_check_lists_every_problem() -> None:
     ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='tensor'}\n", "declares datatype"),
     ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ncolour=1\n", "[mine] colour"),
     ("[mine\n", "Expected ']'"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nparameters={k={type='float', description='d'}}\n",
+     "[mine] parameters.k.type"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nparameters={k={type='number', description='d', x=1}}\n",
+     "[mine] parameters.k.x"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1]}]\n",
+     "both inputs and outputs"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1, 8]}]\n"
+     "outputs=[{name='o', datatype='FP64', shape=[-1]}]\n", "one element per row"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1]}]\n"
+     "outputs=[{name='o', datatype='float32', shape=[-1]}]\n", "datatype 'float32'"),
+    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nmax_input_tokens=128\n", "needs input_kind = 'text'"),
 ])
 def test_models_file_errors_name_the_entry(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "models.toml"
@@ -63,6 +74,20 @@ def test_models_file_errors_name_the_entry(tmp_path: Path, text: str, expected: 
     with pytest.raises(ModelsFileError, match=r".*") as caught:
         load_models_file(path)
     assert expected in str(caught.value) and str(path) in str(caught.value)
+
+
+def test_models_file_entry_declares_parameters_tensors_and_a_token_window(tmp_path: Path) -> None:
+    path = tmp_path / "models.toml"
+    path.write_text("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='text'\n"
+                    "output={kind='tensor', datatype='float32', shape=[4]}\nmax_input_tokens=64\n"
+                    "parameters={truncate={type='boolean', description='cut'}}\n"
+                    "inputs=[{name='text', datatype='BYTES', shape=[-1]}]\n"
+                    "outputs=[{name='embedding', datatype='FP32', shape=[-1, 4]}]\n")
+    spec = load_models_file(path)["mine"]
+    assert spec.parameters["truncate"].type == "boolean" and spec.max_input_tokens == 64
+    assert spec.max_input_chars == 64 * 100
+    assert [(t.name, t.datatype, t.shape) for t in (*spec.inputs, *spec.outputs)] == [
+        ("text", "BYTES", (-1,)), ("embedding", "FP32", (-1, 4))]
 
 
 def test_missing_models_file_is_named(tmp_path: Path) -> None:
