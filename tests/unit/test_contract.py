@@ -20,6 +20,8 @@ from shared.protocol import RequestId, RequestMessage
 from tests.helpers import ROOT
 from worker.models import BackendContractError, check_contract, check_output, import_backend_class
 
+# A valid user entry of JSON inputs, for the cases below to extend.
+MINE = "[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\n"
 EXAMPLE_MODELS = ROOT / "examples" / "tiny_classifier" / "models.toml"
 
 
@@ -56,17 +58,17 @@ def test_contract_check_lists_every_problem() -> None:
     ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='tensor'}\n", "declares datatype"),
     ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ncolour=1\n", "[mine] colour"),
     ("[mine\n", "Expected ']'"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nparameters={k={type='float', description='d'}}\n",
+    (MINE + "parameters={k={type='float', description='d'}}\n",
      "[mine] parameters.k.type"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nparameters={k={type='number', description='d', x=1}}\n",
+    (MINE + "parameters={k={type='number', description='d', x=1}}\n",
      "[mine] parameters.k.x"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1]}]\n",
+    (MINE + "inputs=[{name='i', datatype='FP64', shape=[-1]}]\n",
      "both inputs and outputs"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1, 8]}]\n"
+    (MINE + "inputs=[{name='i', datatype='FP64', shape=[-1, 8]}]\n"
      "outputs=[{name='o', datatype='FP64', shape=[-1]}]\n", "one element per row"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\ninputs=[{name='i', datatype='FP64', shape=[-1]}]\n"
+    (MINE + "inputs=[{name='i', datatype='FP64', shape=[-1]}]\n"
      "outputs=[{name='o', datatype='float32', shape=[-1]}]\n", "datatype 'float32'"),
-    ("[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\nmax_input_tokens=128\n", "needs input_kind = 'text'"),
+    (MINE + "max_input_tokens=128\n", "needs input_kind = 'text'"),
 ])
 def test_models_file_errors_name_the_entry(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "models.toml"
