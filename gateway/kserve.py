@@ -23,8 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 from gateway.edge import JSON, BadBodyError, read_body, require_media_type
 from gateway.inference import dispatcher_of, inference_request, settings_of, submit
 from gateway.openapi import error_responses, request_body
+from gateway.schemas import jsonable
 from shared.errors import ModelNotFoundError
-from shared.models import ModelSpec, TensorSpec
+from shared.models import InputKind, ModelSpec, TensorSpec
 
 OCTET = "application/octet-stream"
 HEADER_LENGTH = "inference-header-content-length"
@@ -130,7 +131,9 @@ async def infer(
         inputs = _read_input(spec, parsed.inputs, binary)
         _check_outputs(spec, parsed)
         parameters = {k: v for k, v in parsed.parameters.items() if k not in PROTOCOL_PARAMETERS}
-        reply = await submit(request, record, inputs, parameters, _timeout_ms(parsed.parameters))
+        # A bytes model's binary BYTES elements are its blobs as sent; in JSON they are base64 text.
+        raw = bool(inputs) and isinstance(inputs[0], bytes)
+        reply = await submit(request, record, inputs, parameters, _timeout_ms(parsed.parameters), raw=raw)
     return _render(model, parsed, spec, reply.outputs or [])
 
 
@@ -162,9 +165,10 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[V2InferRequest,
     return parsed, body[json_length:]
 
 
-def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list[JsonValue]:
-    """The one declared input tensor as native inputs (one per row). Raises BadBodyError naming
-    the tensor: unknown or missing name, wrong datatype, negative dimension, shape and data disagree."""
+def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list[object]:
+    """The one declared input tensor as native inputs (one per row): JSON values, or bytes for a
+    bytes model's binary BYTES elements. Raises BadBodyError naming the tensor: unknown or
+    missing name, wrong datatype, negative dimension, shape and data disagree."""
     declared = spec.inputs[0]
     names = [t.name for t in tensors]
     if names != [declared.name]:
@@ -180,7 +184,7 @@ def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list
         if isinstance(size, bool) or size != len(binary):  # one input: every byte after the JSON is its
             raise BadBodyError(f"input {tensor.name!r}: binary_data_size {size!r} disagrees with the "
                                f"{len(binary)} bytes after the JSON header")
-        values = _from_binary(tensor, binary)
+        values = _from_binary(tensor, binary, keep_bytes=spec.input_kind is InputKind.BYTES)
     else:
         values = _flatten(tensor.data)
     if len(values) != count:
@@ -192,13 +196,14 @@ def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list
     return _typed(tensor, values)
 
 
-def _from_binary(tensor: V2Tensor, raw: bytes) -> list[JsonValue]:
+def _from_binary(tensor: V2Tensor, raw: bytes, *, keep_bytes: bool) -> list[object]:
+    """The elements of a binary tensor: numbers, or BYTES elements as UTF-8 text (bytes when `keep_bytes`)."""
     if tensor.datatype != "BYTES":
         itemsize = np.dtype(DTYPES[tensor.datatype]).itemsize
         if len(raw) % itemsize:
             raise BadBodyError(f"input {tensor.name!r}: {len(raw)} bytes is not a whole number of {tensor.datatype}")
         return np.frombuffer(raw, dtype=DTYPES[tensor.datatype]).tolist()  # type: ignore[no-any-return]
-    values: list[JsonValue] = []
+    values: list[object] = []
     offset = 0
     while offset < len(raw):  # each element: 4-byte little-endian length, then the bytes
         if offset + 4 > len(raw):
@@ -207,7 +212,7 @@ def _from_binary(tensor: V2Tensor, raw: bytes) -> list[JsonValue]:
         element = raw[offset + 4 : offset + 4 + length]
         if len(element) != length:
             raise BadBodyError(f"input {tensor.name!r}: BYTES element shorter than its length {length}")
-        values.append(_utf8(tensor, element))
+        values.append(element if keep_bytes else _utf8(tensor, element))
         offset += 4 + length
     return values
 
@@ -219,7 +224,7 @@ def _utf8(tensor: V2Tensor, element: bytes) -> str:
         raise BadBodyError(f"input {tensor.name!r}: a BYTES element is not UTF-8 text") from exc
 
 
-def _flatten(data: JsonValue) -> list[JsonValue]:
+def _flatten(data: JsonValue) -> list[object]:
     if isinstance(data, list):
         return [v for item in data for v in _flatten(item)]
     if data is None:
@@ -227,10 +232,10 @@ def _flatten(data: JsonValue) -> list[JsonValue]:
     return [data]
 
 
-def _typed(tensor: V2Tensor, values: list[JsonValue]) -> list[JsonValue]:
+def _typed(tensor: V2Tensor, values: list[object]) -> list[object]:
     """Each element checked against the datatype (JSON data can hold anything)."""
     if tensor.datatype == "BYTES":
-        if not all(isinstance(v, str) for v in values):
+        if not all(isinstance(v, str | bytes) for v in values):  # bytes: binary elements of a bytes model
             raise BadBodyError(f"input {tensor.name!r}: BYTES elements must be strings")
         return values
     if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
@@ -262,18 +267,32 @@ def _render(model: str, parsed: V2InferRequest, spec: ModelSpec, outputs: list[o
     binary = parsed.parameters.get("binary_data_output") is True
     if parsed.outputs:
         binary = parsed.outputs[0].parameters.get("binary_data") is True
-    array = np.asarray(outputs, dtype=DTYPES[declared.datatype])
-    tensor: dict[str, Any] = {"name": declared.name, "datatype": declared.datatype, "shape": list(array.shape)}
+    tensor: dict[str, Any] = {"name": declared.name, "datatype": declared.datatype}
     head: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "outputs": [tensor]}
     if parsed.id is not None:
         head["id"] = parsed.id
+    if declared.datatype == "BYTES":
+        data, raw = _bytes_elements(outputs)
+        tensor["shape"] = [len(data)]
+    else:
+        array = np.asarray(outputs, dtype=DTYPES[declared.datatype])
+        data, raw = array.ravel().tolist(), array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        tensor["shape"] = list(array.shape)
     if not binary:
-        tensor["data"] = array.ravel().tolist()
+        tensor["data"] = data
         return JSONResponse(head)
-    raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
     tensor["parameters"] = {"binary_data_size": len(raw)}
     header = json.dumps(head).encode()
     return Response(header + raw, media_type=OCTET, headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+def _bytes_elements(outputs: list[object]) -> tuple[list[str], bytes]:
+    """A BYTES output: one element per item, a string as it is and anything else (a JSON object
+    such as a classifier's labels) as its JSON text; (the elements, their binary form: each a
+    4-byte little-endian length, then its UTF-8)."""
+    texts = [v if isinstance(v, str) else json.dumps(jsonable(v)) for v in outputs]
+    encoded = [t.encode() for t in texts]
+    return texts, b"".join(struct.pack("<I", len(e)) + e for e in encoded)
 
 
 def error_body(message: str) -> dict[str, str]:

@@ -260,6 +260,10 @@ BUILTIN: dict[str, ModelSpec] = {
                 "top_k": ParameterSpec(type="integer", description="labels returned per image, 1-1000 (default 5)"),
                 "logits": ParameterSpec(type="boolean", description="also return the 1000 logits (default false)"),
             },
+            # v2 view: one encoded image per row (base64 text in JSON data, the bytes themselves as
+            # binary data); each output element is the JSON text of that image's output object.
+            inputs=(TensorSpec(name="image", datatype="BYTES", shape=(-1,)),),
+            outputs=(TensorSpec(name="labels", datatype="BYTES", shape=(-1,)),),
         ),
     )
 }

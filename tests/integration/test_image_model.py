@@ -1,17 +1,20 @@
 """The efficientnet image classifier through real processes: a real photo classified sensibly, as
-base64 in JSON and as a raw body; hostile images each get a clear 4xx or a correct answer, sent
-together so they share batches with good ones, and the worker survives them all."""
+base64 in JSON, as a raw body and through tritonclient (KServe v2); hostile images each get a
+clear 4xx or a correct answer, sent together so they share batches with good ones, and the
+worker survives them all."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import io
+import json
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+import tritonclient.http.aio as triton_aio
 from matplotlib import cbook
 from PIL import Image
 
@@ -84,3 +87,23 @@ async def test_image_classifier_end_to_end_with_hostile_inputs(stack: Stack) -> 
         again = await client.post("/v1/models/efficientnet/infer", content=photo,
                                   headers={"Content-Type": "image/jpeg"})
         assert again.status_code == 200
+    await classify_through_kserve_v2(stack, photo)
+
+
+async def classify_through_kserve_v2(stack: Stack, photo: bytes) -> None:
+    """tritonclient, unmodified: the image as a binary BYTES element and as base64 text in JSON,
+    `parameters` passed through; each output element is the JSON text of the native output."""
+    client = triton_aio.InferenceServerClient(stack.url.removeprefix("http://"))
+    try:
+        meta = await client.get_model_metadata("efficientnet")
+        assert meta["inputs"] == [{"name": "image", "datatype": "BYTES", "shape": [-1]}]
+        for binary, element in ((True, photo), (False, base64.b64encode(photo))):
+            tensor = triton_aio.InferInput("image", [1], "BYTES")
+            tensor.set_data_from_numpy(np.array([element], dtype=np.object_), binary_data=binary)
+            outputs = [triton_aio.InferRequestedOutput("labels", binary_data=binary)]
+            result = await client.infer("efficientnet", [tensor], outputs=outputs, parameters={"top_k": 2})
+            (text,) = result.as_numpy("labels")
+            labels = json.loads(text)["labels"]
+            assert len(labels) == 2 and "military uniform" in [label["label"] for label in labels], labels
+    finally:
+        await client.close()
