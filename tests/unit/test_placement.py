@@ -159,6 +159,23 @@ def test_a_bad_placement_file_names_what_is_wrong(tmp_path: Path, text: str, mes
         plan(load_placement(path), simulated_gpus(2), 0.8)
 
 
+def test_a_placement_names_models_of_the_models_file_only_when_that_file_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "p.toml"
+    path.write_text('[[model]]\nname = "tiny"\n')
+    with pytest.raises(PlacementError, match="unknown model 'tiny'"):
+        load_placement(path)  # the built-in models only
+    models_file = ROOT / "examples" / "tiny_classifier" / "models.toml"
+    catalogue = Settings(models_file=str(models_file)).catalogue
+    assert [g.model for g in plan(load_placement(path, known=catalogue), simulated_gpus(1), 0.8)] == ["tiny"]
+
+
+def test_an_unknown_model_is_refused_with_exit_2_naming_the_known_ones(tmp_path: Path) -> None:
+    done = up(tmp_path, "--model", "tiny")  # no VRAMGUARD_MODELS_FILE: only the built-in models
+    assert done.returncode == 2, done
+    assert "MODEL='tiny' is not a known model; known: efficientnet, minilm, synthetic" in done.stderr
+    assert "VRAMGUARD_MODELS_FILE" in done.stderr
+
+
 def test_each_group_becomes_one_program_with_the_shipped_worker_settings() -> None:
     groups = plan([ModelPlacement(name="minilm", workers=2)], [Gpu(0, "GPU-a"), Gpu(1, "GPU-b")], 0.8)
     parser = configparser.RawConfigParser(interpolation=None)
