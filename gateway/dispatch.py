@@ -27,17 +27,24 @@ from shared.errors import (
 )
 from shared.keys import Keys
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
+from shared.redis_client import RETRY_WINDOW_S
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Admission, atomic (issue 4). KEYS: request stream, this gateway's reply stream. ARGV: queue_bound,
-# entry field, packed request, reply init field, reply maxlen, reply TTL s.
+# Admission, atomic (issue 4) and idempotent per request id. KEYS: request stream, this gateway's
+# reply stream, the request's admission record. ARGV: queue_bound, entry field, packed request,
+# reply init field, reply maxlen, reply TTL s, admission record TTL ms.
+# - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
+#   have run: the record (request id -> entry id, kept RETRY_WINDOW_S) makes the re-sent script
+#   answer the first run's entry id instead of enqueueing, and counting, the request twice.
 # - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
 #   bound nothing is added (never trim accepted entries to make room): returns {0, depth}.
 # - A missing reply stream means Redis lost its data; it is recreated here, before the request,
 #   so that workers (XADD NOMKSTREAM) can answer it: returns {2, id}. Otherwise {1, id}.
 ADMISSION = """
+local first = redis.call('GET', KEYS[3])
+if first then return {1, first} end
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
 local status = 1
@@ -46,8 +53,11 @@ if redis.call('EXISTS', KEYS[2]) == 0 then
   redis.call('EXPIRE', KEYS[2], ARGV[6])
   status = 2
 end
-return {status, redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])}
+local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+redis.call('SET', KEYS[3], id, 'PX', ARGV[7])
+return {status, id}
 """
+ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 
 
 class Dispatcher:
@@ -169,9 +179,9 @@ class Dispatcher:
         with a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
         status, value = await self._admission(
-            keys=[self._keys.request_stream(model), self._listener.stream],
+            keys=[self._keys.request_stream(model), self._listener.stream, self._keys.admission(message.request_id)],
             args=[config.queue_bound, ENTRY_FIELD, message.encode(), INIT_FIELD,
-                  self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s],
+                  self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s, ADMISSION_RECORD_TTL_MS],
         )
         if status == 0:
             retry_s = retry_after_s(int(value), self._throughput[model].rate_per_s())

@@ -20,11 +20,19 @@ from shared.settings import Settings
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 POOL_MAX_CONNECTIONS = 64  # per process; more concurrent commands wait for a free connection
+RETRIES = 2
+BACKOFF_CAP_S = 0.5
+# The longest a command can still be re-sent after it first reached Redis: every attempt may
+# wait out its timeout, then back off. A command that must not run twice keeps a record of its
+# first run at least this long (the admission and claim scripts), so a retry finds it.
+RETRY_WINDOW_S = (RETRIES + 1) * (COMMAND_TIMEOUT_S + CONNECT_TIMEOUT_S) + RETRIES * BACKOFF_CAP_S
 
 
 def _retry() -> Retry:
-    # Transient drops (a restarting Redis) are retried twice with jittered backoff by redis-py itself.
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=2)
+    # Transient drops (a restarting Redis) are retried twice with jittered backoff by redis-py
+    # itself. A retried command may already have run (its reply was lost): every command sent
+    # through this client is idempotent or carries its own record of a first run.
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=RETRIES)
 
 
 def connect(settings: Settings) -> aioredis.Redis:

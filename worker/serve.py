@@ -24,6 +24,7 @@ from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Entry
 from worker.costing import group_by_cost
+from worker.execlog import ExecutionLog
 from worker.execute import CudaContextLost, ItemResult, run_batch
 from worker.heartbeat import WorkerStats
 from worker.memory import MemoryBudget
@@ -57,6 +58,7 @@ class BatchServer:
         self._watchdog = watchdog
         self.budget = budget
         self._on_context_lost = on_context_lost
+        self._executions = ExecutionLog(settings)
 
     async def serve(self, redis: aioredis.Redis, entries: list[Entry]) -> bool:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
@@ -121,6 +123,7 @@ class BatchServer:
         """Run one cost group and publish its replies. False when the device context was lost
         (the entries stay pending, un-acked, and the worker exits)."""
         items = [item for _entry, entry_items in group for item in entry_items]
+        await self._executions.record(redis, [e.message.request_id for e, _i in group if e.message is not None])
         started = monotonic_ms()
         try:
             results, stats = await asyncio.to_thread(

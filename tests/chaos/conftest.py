@@ -27,6 +27,7 @@ class Supervisor:
         self.settings = settings
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.exits: list[tuple[str, int]] = []
+        self.died: set[int] = set()  # pids that exited non-zero (their batches may run again)
         self.restart = True
         for i in range(n):
             self._start(f"chaos-w{i}")
@@ -43,6 +44,8 @@ class Supervisor:
             for name, proc in list(self.procs.items()):
                 if proc.poll() is not None:
                     self.exits.append((name, proc.returncode))
+                    if proc.returncode != 0:
+                        self.died.add(proc.pid)
                     self._start(name)
             await asyncio.sleep(0.1)
 
