@@ -231,7 +231,7 @@ class Reclaimer:
                 self._stale_seen = False  # the whole PEL was scanned; the next scan decides again
         return None
 
-    async def _claim_once(self, mode: str, target: object) -> Suspect | None:
+    async def _claim_once(self, mode: str, target: int | str) -> Suspect | None:
         """Run the _CLAIM script once (a fresh token, so only redis-py's own re-send of this very
         call is answered from the record); None when nothing was claimed or the entry is gone."""
         token = uuid.uuid4().hex
