@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
@@ -26,7 +27,7 @@ class ExecutionLog:
         self._key = Keys(settings.key_prefix).executions(settings.model)
         self._forwards = itertools.count(1)
 
-    async def record(self, redis: aioredis.Redis, request_ids: list[str]) -> None:
+    async def record(self, redis: aioredis.Redis, request_ids: Sequence[str]) -> None:
         """HSET one field per request id for the forward about to run. Raises RedisError (the
         caller's batch then stays pending, as for any Redis failure before publishing)."""
         if not self.enabled or not request_ids:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Sequence
 from enum import IntEnum
 
 import redis.asyncio as aioredis
@@ -31,6 +32,7 @@ from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Batcher, Entry
 from worker.execute import CudaContextLost, run_batch
+from worker.hang import HangGuard, derive_forward_timeout_s, exit_now
 from worker.heartbeat import Heartbeat, WorkerStats
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from worker.metrics import WorkerMetrics
@@ -49,6 +51,7 @@ class ExitCode(IntEnum):
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row (issue 5)
+    FORWARD_HUNG = 7  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
 
 
 class Worker:
@@ -71,7 +74,9 @@ class Worker:
         self._max_batches = max_batches
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
-        self.watchdog = Watchdog(settings, backend, self._unhealthy)
+        self.hang = HangGuard(self._hung)
+        self.watchdog = Watchdog(settings, backend, self._unhealthy, hang=self.hang)
+        self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
         self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
@@ -92,9 +97,13 @@ class Worker:
             loop.add_signal_handler(sig, self.handle_exit, sig)
 
     def handle_exit(self, sig: int) -> None:
-        """First signal: drain. Second: force (uvicorn's two-step shutdown)."""
+        """First signal: drain. Second: force (uvicorn's two-step shutdown); at once while a
+        forward runs, since its thread cannot be interrupted (worker/hang.py)."""
         if self.should_exit:
             self.force_exit = True
+            if self.hang.forward_running:
+                exit_now(ExitCode.FORCED, "second signal during a forward; exiting at once",
+                         signal=signal.Signals(sig).name, worker_id=self.worker_id)
         self.should_exit = True
         log.info("signal received", extra={"signal": signal.Signals(sig).name, "force": self.force_exit})
 
@@ -128,8 +137,10 @@ class Worker:
         assert budget is not None
         self._server = BatchServer(
             self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
-            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost,
+            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, hang=self.hang,
         )
+        self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
+                                                     self.config.max_batch_size)
         heartbeat = Heartbeat(
             self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
             {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
@@ -140,6 +151,7 @@ class Worker:
         self.stats.state = "ready"
         heartbeat.start()
         reclaimer.start()
+        self.hang.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device, "settings": self.settings.masked()})
         try:
@@ -149,6 +161,7 @@ class Worker:
             self.stats.state = "draining"
             return await self._drain(redis)
         finally:
+            await self.hang.stop()
             await reclaimer.stop()
             await heartbeat.stop()
 
@@ -175,7 +188,11 @@ class Worker:
 
     def _run_examples(self) -> None:
         items = self.backend.decode(self.backend.example_inputs())
+        started = monotonic_ms()
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
+        elapsed_s = (monotonic_ms() - started) / 1000
+        if elapsed_s >= self._warmup_forward[0]:  # the forward timeout is derived from the slowest
+            self._warmup_forward = (elapsed_s, len(items))
         failed = [r.error_message for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"warmup failed: {failed[0]}")
@@ -288,6 +305,12 @@ class Worker:
         """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""
         self.fatal = ExitCode.CUDA_CONTEXT_LOST
         self.should_exit = self.force_exit = True
+
+    def _hung(self, running_s: float, what: str, request_ids: Sequence[str]) -> None:
+        """A forward ran past the forward timeout: report it and leave at once, un-acked."""
+        exit_now(ExitCode.FORWARD_HUNG, "forward hung; exiting for a restart", worker_id=self.worker_id,
+                 model=self.settings.model, forward=what, running_s=round(running_s, 1),
+                 forward_timeout_s=self.hang.limit_s, request_ids=list(request_ids))
 
     def _unhealthy(self, reason: str) -> None:
         """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""

@@ -26,6 +26,7 @@ from worker.batcher import Entry
 from worker.costing import group_by_cost
 from worker.execlog import ExecutionLog
 from worker.execute import CudaContextLost, ItemResult, run_batch
+from worker.hang import HangGuard
 from worker.heartbeat import WorkerStats
 from worker.memory import MemoryBudget
 from worker.metrics import WorkerMetrics
@@ -45,7 +46,7 @@ class BatchServer:
     def __init__(
         self, settings: Settings, backend: ModelBackend, worker_id: str, *, stats: WorkerStats,
         metrics: WorkerMetrics, watchdog: Watchdog, budget: MemoryBudget | None,
-        on_context_lost: Callable[[], None],
+        on_context_lost: Callable[[], None], hang: HangGuard | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -59,6 +60,7 @@ class BatchServer:
         self.budget = budget
         self._on_context_lost = on_context_lost
         self._executions = ExecutionLog(settings)
+        self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a hung forward
 
     async def serve(self, redis: aioredis.Redis, entries: list[Entry]) -> bool:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
@@ -123,13 +125,15 @@ class BatchServer:
         """Run one cost group and publish its replies. False when the device context was lost
         (the entries stay pending, un-acked, and the worker exits)."""
         items = [item for _entry, entry_items in group for item in entry_items]
-        await self._executions.record(redis, [e.message.request_id for e, _i in group if e.message is not None])
+        request_ids = [e.message.request_id for e, _i in group if e.message is not None]
+        await self._executions.record(redis, request_ids)
         started = monotonic_ms()
         try:
-            results, stats = await asyncio.to_thread(
-                run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
-                costs=[c for entry_costs in costs for c in entry_costs],
-            )
+            with self._hang.forward("batch", request_ids):
+                results, stats = await asyncio.to_thread(
+                    run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
+                    costs=[c for entry_costs in costs for c in entry_costs],
+                )
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
                       extra={"error": str(exc), "batch_size": len(items)})

@@ -20,6 +20,7 @@ from shared.errors import ModelError
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.execute import ItemResult
+from worker.hang import HangGuard
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +32,12 @@ class Watchdog:
     readiness checks for recency (gateway/health.py).
     """
 
-    def __init__(self, settings: Settings, backend: ModelBackend, on_unhealthy: Callable[[str], None]) -> None:
+    def __init__(
+        self, settings: Settings, backend: ModelBackend, on_unhealthy: Callable[[str], None],
+        *, hang: HangGuard | None = None,
+    ) -> None:
         self._backend = backend
+        self._hang = hang or HangGuard(lambda *_: None)
         self._on_unhealthy = on_unhealthy
         self._interval_ms = settings.probe_interval_s * 1000
         self._max_failed = settings.max_consecutive_failed_batches
@@ -79,7 +84,8 @@ class Watchdog:
         self.probes += 1
         started = monotonic_ms()
         try:
-            await asyncio.to_thread(self._forward)
+            with self._hang.forward("probe"):
+                await asyncio.to_thread(self._forward)
         except Exception as exc:  # noqa: BLE001 - any failure on known-good inputs means a broken model or device
             self.probe_failures += 1
             cuda = "CUDA" in str(exc) or type(exc).__name__ in {"AcceleratorError", "OutOfMemoryError"}

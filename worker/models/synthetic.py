@@ -18,6 +18,7 @@ forward it is in, the way real failures do:
     "cuda_error"  RuntimeError("CUDA error: an illegal memory access was encountered")
     "oom"         torch.cuda.OutOfMemoryError
     "leak"        (sim) the forward keeps all free device memory for good: every later forward OOMs
+    "hang"        the forward never returns (a stuck kernel or a deadlock; worker/hang.py ends it)
 and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
 way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
 when that file exists, the next forward deletes it and raises a CUDA error.
@@ -26,6 +27,7 @@ when that file exists, the next forward deletes it and raises a CUDA error.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -132,6 +134,8 @@ def inject_fault(kind: str) -> None:
     """Fail the way `kind` names (see the module docstring). Raises; "exit" never returns."""
     if kind == "exit":
         os._exit(137)
+    if kind == "hang":
+        threading.Event().wait()  # nothing ever sets it
     if kind == "cuda_error":
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     if kind == "oom":
