@@ -46,14 +46,15 @@ async def test_a_hung_forward_exits_7_and_ends_in_the_dead_letter(chaos_stack: S
         wall_s = time.monotonic() - started
         sup_log = (folder / "supervisord.log").read_text()
         exits = re.findall(r"exited: worker \(exit status (\d+)", sup_log)
-        runs = read_executions(await chaos_redis.hkeys(Keys(chaos_stack.settings["key_prefix"]).executions("synthetic")))
+        keys = Keys(chaos_stack.settings["key_prefix"])
+        runs = read_executions(await chaos_redis.hkeys(keys.executions("synthetic")))
         record_figures(f"[chaos] 10A hung forward: wall_s={wall_s:.1f} exits={exits} hung={hung.status} "
                        f"normal={[r.status for r in normal]} executions={sorted(len(p) for p in runs.values())}")
         assert (hung.status, hung.code) == (500, "model_error") and "dead-letter" in (hung.message or ""), hung
         assert [r.status for r in normal] == [200] * 5
         assert exits == ["7", "7"], sup_log
         assert (folder / "worker.log").read_text().count('"forward hung; exiting for a restart"') == 2
-        assert await chaos_redis.xlen(Keys(chaos_stack.settings["key_prefix"]).dead_letter_stream("synthetic")) == 1
+        assert await chaos_redis.xlen(keys.dead_letter_stream("synthetic")) == 1
         assert all(len(runs[r.request_id]) <= 2 for r in normal), runs
     finally:
         supervised.stop()
