@@ -143,6 +143,8 @@ class BatchServer:
         outgoing = self._replies(group, results, len(items), batch_start_ms)
         delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
         self._watchdog.record_batch(results)
+        if self._watchdog.verify_due:  # many failed batches in a row: the inputs, or the device?
+            await self._watchdog.verify()
         self._metrics.observe_batch(len(items), delays_ms, duration_ms)
         log.info("batch done", extra={"model": self._settings.model, "worker_id": self.worker_id,
                                       "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
