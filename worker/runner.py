@@ -30,6 +30,7 @@ from shared.protocol import EntryId
 from shared.redis_client import connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
+from worker.batch_errors import answer_internal_error
 from worker.batcher import Batcher, Entry
 from worker.execute import CudaContextLost, run_batch
 from worker.hang import HangGuard, derive_forward_timeout_s, exit_now
@@ -79,6 +80,7 @@ class Worker:
         self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
+        self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
         self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
@@ -298,6 +300,11 @@ class Worker:
         self._held.update(ids)
         try:
             await self._server.serve(redis, entries)
+        except Exception as exc:  # noqa: BLE001 - a bug in our own code: answer now, never lose it
+            self.batch_task_failures += 1
+            await answer_internal_error(
+                redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
+                worker_id=self.worker_id, entries=entries, exc=exc, reply_maxlen=self.settings.reply_stream_maxlen)
         finally:
             self._held.difference_update(ids)
 
@@ -320,7 +327,7 @@ class Worker:
 
     def _observed_fields(self) -> dict[str, object]:
         """Heartbeat fields of the watchdog and the worker metrics (issue 5)."""
-        return {**self.watchdog.heartbeat_fields(),
+        return {**self.watchdog.heartbeat_fields(), "batch_task_failures": self.batch_task_failures,
                 **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches)}
 
 

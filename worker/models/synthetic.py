@@ -19,6 +19,8 @@ forward it is in, the way real failures do:
     "oom"         torch.cuda.OutOfMemoryError
     "leak"        (sim) the forward keeps all free device memory for good: every later forward OOMs
     "hang"        the forward never returns (a stuck kernel or a deadlock; worker/hang.py ends it)
+    "internal"    not the forward: costing the input raises, a bug in the worker's batch task
+                  (worker/batch_errors.py answers 500 internal)
 and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
 way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
 when that file exists, the next forward deletes it and raises a CUDA error.
@@ -81,6 +83,8 @@ class SyntheticBackend:
         return self._max_tokens
 
     def item_cost(self, item: object) -> int:
+        if self.fault_injection and isinstance(item, dict) and item.get("fault") == "internal":
+            raise RuntimeError("injected bug outside the forward")
         if self._max_tokens > 1 and isinstance(item, str):
             return max(1, min(len(item.split()), self._max_tokens))
         return 1
