@@ -15,8 +15,9 @@ import redis.asyncio as aioredis
 from tests.helpers import Stack, wait_until
 
 # claim_idle_ms >= 3 x max(reclaim_interval_ms, heartbeat_interval_ms (200)) + max_wait_ms (5)
+# fault_injection: the workers record each execution (worker/execlog.py) for check_executions.
 CHAOS_SETTINGS: dict[str, object] = {"served_models": "synthetic", "model": "synthetic",
-                                     "claim_idle_ms": 1000, "reclaim_interval_ms": 200}
+                                     "claim_idle_ms": 1000, "reclaim_interval_ms": 200, "fault_injection": "true"}
 
 
 class Supervisor:
