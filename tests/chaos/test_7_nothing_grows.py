@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
 from shared.keys import GROUP, Keys
@@ -32,6 +33,7 @@ async def used_memory(redis: aioredis.Redis) -> int:
     return int((await redis.info("memory"))["used_memory"])
 
 
+@pytest.mark.timeout(300)
 async def test_streams_and_memory_return_to_baseline(chaos_stack, chaos_redis) -> None:
     chaos_stack.start_gateway()
     chaos_stack.start_worker()
