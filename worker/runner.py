@@ -155,7 +155,8 @@ class Worker:
         reclaimer.start()
         self.hang.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
-                                        "device": self.backend.device, "settings": self.settings.masked()})
+                                        "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
+                                        "settings": self.settings.masked()})
         try:
             await self._serve_forever(redis, blocking)
             if self.watchdog.unhealthy_reason is not None:
