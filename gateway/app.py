@@ -22,6 +22,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.observe import router as observe_router
 from gateway.replies import ReplyListener
 from gateway.routes import health_router, router
+from shared.clocksync import ClockSync
 from shared.errors import QueueFullError, UnauthorizedError, UnavailableError, VramguardError
 from shared.keys import Keys
 from shared.redis_client import connect, connect_blocking
@@ -50,6 +51,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
+        clock = ClockSync(redis)
+        await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
@@ -60,6 +63,7 @@ def create_app(settings: Settings) -> FastAPI:
             await drain_requests(app)
             await health.stop()
             await listener.stop()
+            await clock.stop()
             await blocking.aclose()
             await redis.aclose()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})

@@ -24,7 +24,8 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from shared.clock import monotonic_ms
+from shared.clock import monotonic_ms, now_ms
+from shared.clocksync import ClockSync
 from shared.keys import GROUP, Keys
 from shared.protocol import EntryId
 from shared.redis_client import connect, connect_blocking
@@ -125,14 +126,19 @@ class Worker:
             self.settings, redis, self.stream, self.keys.dead_letter_stream(self.settings.model), self.worker_id,
             self.held_entries,
         )
+        clock = ClockSync(redis)
         try:
             await self.ensure_group(redis)
+            await clock.start()  # deadlines and heartbeats on Redis' clock (shared/clock.py)
+            self.stats.started_ms = now_ms()
             await asyncio.to_thread(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
         except RedisError as exc:
+            await clock.stop()
             log.error("cannot reach Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
+            await clock.stop()
             log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         budget = self.budget
@@ -164,6 +170,7 @@ class Worker:
             self.stats.state = "draining"
             return await self._drain(redis)
         finally:
+            await clock.stop()
             await self.hang.stop()
             await reclaimer.stop()
             await heartbeat.stop()
