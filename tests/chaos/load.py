@@ -202,3 +202,16 @@ async def check_executions(redis: aioredis.Redis, key_prefix: str, tally: Tally,
     unexplained = {rid: pids for rid, pids in repeated.items() if sum(p not in died for p in pids) > 1}
     assert not unexplained, f"ran more than once with no death to explain it: {list(unexplained.items())[:3]}"
     return len(repeated)
+
+
+async def slowest_immediate_answer_s(load: Load, n: int) -> float:
+    """The slowest of `n` concurrent requests the gateway refuses at once (422, an empty input
+    list): the client's and gateway's own queueing of n connections on this machine, now."""
+    async with httpx.AsyncClient(base_url=load.url, timeout=30) as client:
+
+        async def one() -> float:
+            started = time.monotonic()
+            await client.post("/v1/models/synthetic/infer", json={"inputs": []})
+            return time.monotonic() - started
+
+        return max(await asyncio.gather(*(one() for _ in range(n))))

@@ -20,7 +20,7 @@ import time
 import httpx
 
 from shared.keys import Keys
-from tests.chaos.load import Load
+from tests.chaos.load import Load, slowest_immediate_answer_s
 from tests.helpers import wait_until
 from worker.execlog import read_executions
 
@@ -28,17 +28,6 @@ SHORT_MS = 400
 GATEWAY_504 = "no reply within"  # the gateway's own 504 message (gateway/dispatch.py)
 
 
-async def slowest_immediate_answer_s(load: Load, n: int) -> float:
-    """The slowest of `n` concurrent requests the gateway refuses at once (422, an empty input
-    list): the client's and gateway's own queueing of n connections on this machine, now."""
-    async with httpx.AsyncClient(base_url=load.url, timeout=30) as client:
-
-        async def one() -> float:
-            started = time.monotonic()
-            await client.post("/v1/models/synthetic/infer", json={"inputs": []})
-            return time.monotonic() - started
-
-        return max(await asyncio.gather(*(one() for _ in range(n))))
 
 
 async def worker_counters(url: str) -> dict[str, int]:
