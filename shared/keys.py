@@ -5,8 +5,8 @@
     <prefix>:dlq:<model>        dead-letter stream
     <prefix>:hb:<worker_id>     heartbeat hash (with a TTL)
     <prefix>:workers:<model>    sorted set worker_id -> last heartbeat (epoch ms)
-    <prefix>:adm:<request_id>   admission record: the request's entry id, for a retried XADD (short TTL)
-    <prefix>:claim:<worker_id>  the worker's last claim, for a retried claim (short TTL)
+    <prefix>:adm:<model>:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
+    <prefix>:claim:<model>:<worker_id>  the worker's last claim, for a re-sent claim (short TTL)
     <prefix>:exec:<model>       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 """
 
@@ -38,11 +38,11 @@ class Keys:
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{model}"
 
-    def admission(self, request_id: str) -> str:
-        return f"{self.prefix}:adm:{request_id}"
+    def admission(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:adm:{model}:{request_id}"
 
-    def claim_record(self, worker_id: str) -> str:
-        return f"{self.prefix}:claim:{worker_id}"
+    def claim_record(self, model: str, worker_id: str) -> str:
+        return f"{self.prefix}:claim:{model}:{worker_id}"
 
     def executions(self, model: str) -> str:
         return f"{self.prefix}:exec:{model}"

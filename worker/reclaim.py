@@ -150,7 +150,7 @@ class Reclaimer:
         self._refresh = redis.register_script(_REFRESH)
         self._clean = redis.register_script(_CLEAN_CONSUMERS)
         self._claim = redis.register_script(_CLAIM)
-        self._claim_record = Keys(settings.key_prefix).claim_record(worker_id)
+        self._claim_record = Keys(settings.key_prefix).claim_record(settings.model, worker_id)
         self._scanner = Periodic("reclaim", self.scan, settings.reclaim_interval_ms / 1000)
         self.claimed = 0
         self.dead_lettered = 0
