@@ -179,7 +179,8 @@ class Dispatcher:
         with a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
         status, value = await self._admission(
-            keys=[self._keys.request_stream(model), self._listener.stream, self._keys.admission(model, message.request_id)],
+            keys=[self._keys.request_stream(model), self._listener.stream,
+                  self._keys.admission(model, message.request_id)],
             args=[config.queue_bound, ENTRY_FIELD, message.encode(), INIT_FIELD,
                   self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s, ADMISSION_RECORD_TTL_MS],
         )
