@@ -6,6 +6,9 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 MODEL ?= minilm
 WORKERS ?= 1
+WORKERS_PER_GPU ?= $(WORKERS)
+GPUS ?=
+PLACEMENT ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 PEER_VENV := bench/.venv-peer
@@ -13,7 +16,8 @@ PEER_VENV := bench/.venv-peer
 .PHONY: up test test-fast lint bench clean help
 
 help:
-	@echo "make up [MODEL=minilm|synthetic] [WORKERS=N]   start Redis, gateway and workers (foreground)"
+	@echo "make up [MODEL=minilm|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N]"
+	@echo "        [PLACEMENT=deploy/placement.example.toml]  start Redis, gateway and workers (foreground)"
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
 	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~15 min on 2 cores)"
@@ -29,7 +33,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 up: $(VENV)/.installed
-	$(BIN)/python deploy/up.py --model $(MODEL) --workers $(WORKERS)
+	$(BIN)/python deploy/up.py --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) \
+		$(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
 
 test: $(VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)

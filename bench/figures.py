@@ -38,6 +38,7 @@ class Figures:
     client_ceiling_rps: float | None = None
     peer: PeerFigures | None = None
     scale_rps: dict[int, float] = field(default_factory=dict)
+    placed_rps: dict[tuple[int, int], float] = field(default_factory=dict)  # (sim GPUs, workers per GPU)
     gateway_ceiling_rps: float | None = None
     c1_p50_ms: dict[str, float] = field(default_factory=dict)  # strategy config -> p50 at concurrency 1
 
@@ -84,7 +85,9 @@ def summary_figures(groups: dict[str, list[Record]]) -> Figures:
     fig.client_ceiling_rps = max(client) if client else None
     fig.peer = peer_figures(groups.get("peer", []))
     for r in groups.get("scale", []):
-        if "workers" in r:
+        if "gpus" in r:
+            fig.placed_rps[(int(r["gpus"]), int(r["workers_per_gpu"]))] = float(r["rps"])  # type: ignore[call-overload, arg-type]
+        elif "workers" in r:
             fig.scale_rps[int(r["workers"])] = float(r["rps"])  # type: ignore[call-overload, arg-type]
         else:
             fig.gateway_ceiling_rps = max(fig.gateway_ceiling_rps or 0.0, float(r["rps"]))  # type: ignore[arg-type]
@@ -126,4 +129,9 @@ def target_rows(fig: Figures) -> list[list[object]]:
         rows.append(["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)",
                      f"{ratio:.2f}x ({fig.scale_rps[8]:.0f} vs {fig.scale_rps[1]:.0f} req/s; "
                      f"gateway ceiling {fig.gateway_ceiling_rps or 0:.0f} req/s)", _verdict(ratio >= capped)])
+    if (1, 1) in fig.placed_rps and (2, 2) in fig.placed_rps:
+        ratio = fig.placed_rps[(2, 2)] / max(fig.placed_rps[(1, 1)], 1e-9)
+        rows.append(["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)",
+                     f"{ratio:.2f}x ({fig.placed_rps[(2, 2)]:.0f} vs {fig.placed_rps[(1, 1)]:.0f} req/s)",
+                     _verdict(ratio >= 3.5)])
     return rows

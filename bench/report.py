@@ -232,13 +232,17 @@ def _scale(groups: dict[str, list[Record]], fig: Figures) -> str:
     records = groups.get("scale", [])
     if not records:
         return ""
-    base = fig.scale_rps.get(1)
-    rows = [[r["config"], r["concurrency"], r["rps"],
-             f"{float(r['rps']) / base:.2f}x" if base and "workers" in r else None,  # type: ignore[arg-type]
+    def versus(r: Record) -> str | None:  # against 1 worker; a placement against 1 GPU x 1 worker
+        base = fig.placed_rps.get((1, 1)) if "gpus" in r else fig.scale_rps.get(1) if "workers" in r else None
+        return f"{float(r['rps']) / base:.2f}x" if base else None  # type: ignore[arg-type]
+
+    rows = [[r["config"], r["concurrency"], r["rps"], versus(r),
              r["p50_ms"], r["p99_ms"], r.get("mean_batch"), r.get("queue_delay_ms"), r["requests"]] for r in records]
     return ("## Scale: synthetic workers (sleep-based forward: 40 ms per request, batch 1)\n\n"
             "Each worker serves at most 25 req/s; workers sleep instead of computing, so they do not compete for "
-            "the cores. The last rows are the gateway's own ceiling: 2 instant workers (0 ms forward, batches up "
+            "the cores. The `sim GPU` rows place the workers as `make up VRAMGUARD_SIM_GPUS=N WORKERS_PER_GPU=K` does "
+            "(pinned, each with its share of its simulated GPU); their ratio is against 1 GPU x 1 worker. "
+            "The last rows are the gateway's own ceiling: 2 instant workers (0 ms forward, batches up "
             "to 64), where only the gateway, Redis and the client do work.\n\n"
             + table(["configuration", "conc.", "req/s", "vs 1 worker", "p50 ms", "p99 ms", "mean batch",
                      "queue delay ms", "requests"], rows))

@@ -17,6 +17,8 @@ import httpx
 import psutil
 
 from bench.stats import device_memory_mib, sum_counters
+from deploy.placement import WorkerGroup
+from deploy.programs import worker_environment
 from tests.helpers import ROOT, RedisServer, Stack, free_port
 
 READY_TIMEOUT_S = 240.0  # torch import + weights on 2 busy cores
@@ -73,6 +75,9 @@ class VramguardService:
     redis: RedisServer | None = None
     stack: Stack | None = None
     kind: str = "vramguard"
+    # Workers placed as `make up` places them (CUDA_VISIBLE_DEVICES, share, workers per GPU, from
+    # deploy/programs.py); None: `workers` unpinned workers.
+    groups: list[WorkerGroup] | None = None
 
     def start(self) -> None:
         """Start everything and wait for /health/ready. Raises RuntimeError with the logs if not ready."""
@@ -83,8 +88,14 @@ class VramguardService:
                 "heartbeat_ttl_ms": 5000, "log_level": "WARNING"}
         self.stack = Stack(self.redis.url, self.log_dir, **{**base, **self.settings})
         self.stack.start_gateway()
-        for _ in range(self.workers):
-            self.stack.start_worker()
+        if self.groups is None:
+            for _ in range(self.workers):
+                self.stack.start_worker()
+        for group in self.groups or []:
+            for slot in range(group.workers):
+                env = {k: v.replace("%(host_node_name)s", self.name).replace("%(process_num)d", str(slot))
+                       for k, v in worker_environment(group).items()}
+                self.stack.start_worker(environ=env)
         try:
             wait_http_ok(f"{self.stack.url}/health/ready", READY_TIMEOUT_S, self.stack.gateway)
             self._wait_all_workers()
@@ -103,7 +114,7 @@ class VramguardService:
         assert self.stack is not None
         return f"{self.stack.url}/v1/models/{self.model}/infer"
 
-    def heartbeats(self) -> dict[str, dict[str, str]]:
+    def heartbeats(self) -> dict[str, dict[str, object]]:
         """The live workers' heartbeat hashes as the gateway sees them."""
         assert self.stack is not None
         info = httpx.get(f"{self.stack.url}/v1/models/{self.model}", timeout=5.0).json()

@@ -38,10 +38,10 @@ def summarize(run: PointRun, items_per_request: int = 1) -> dict[str, object]:
     }
 
 
-def sum_counters(workers: dict[str, dict[str, str]]) -> dict[str, float]:
+def sum_counters(workers: dict[str, dict[str, object]]) -> dict[str, float]:
     """Add up the heartbeat counters of all live workers (GET /v1/models/{model} -> workers).
     A counter a worker does not publish counts as 0."""
-    return {name: sum(float(beat.get(name, 0) or 0) for beat in workers.values()) for name in COUNTER_FIELDS}
+    return {name: sum(float(beat.get(name) or 0) for beat in workers.values()) for name in COUNTER_FIELDS}  # type: ignore[arg-type]
 
 
 def worker_view(before: dict[str, float], after: dict[str, float]) -> dict[str, object]:
@@ -57,18 +57,15 @@ def worker_view(before: dict[str, float], after: dict[str, float]) -> dict[str, 
     }
 
 
-def device_memory_mib(workers: dict[str, dict[str, str]]) -> dict[str, float]:
+def device_memory_mib(workers: dict[str, dict[str, object]]) -> dict[str, float]:
     """Every numeric `*_bytes` field of the workers' heartbeats (device memory allocated, reserved,
     peak... as the memory-budget code publishes them), summed over workers, in MiB. Empty when
     the workers publish none (then RSS is the only memory figure)."""
     totals: dict[str, float] = {}
     for beat in workers.values():
         for name, value in beat.items():
-            if not name.endswith("_bytes"):
+            if not name.endswith("_bytes") or not isinstance(value, int | float):
                 continue
             key = name.removesuffix("_bytes") + "_mib"
-            try:
-                totals[key] = totals.get(key, 0.0) + float(value) / 2**20
-            except ValueError:
-                continue
+            totals[key] = totals.get(key, 0.0) + float(value) / 2**20
     return {k: round(v, 1) for k, v in sorted(totals.items())}

@@ -5,7 +5,8 @@ load point) tagged with `suite` and `config`:
     physical    minilm's batched throughput in one process (bench/physical.py, own process)
     strategies  the seed's strategies as vramguard settings on minilm, plus the naive baseline
     peer        vramguard vs LitServe, same batch size and window, alternating A B A B
-    scale       synthetic workers 1, 2, 4, 8 and the gateway's ceiling with instant workers
+    scale       synthetic workers 1, 2, 4, 8, 2 simulated GPUs x 2 workers against 1 x 1 (placed as
+                `make up` places them), and the gateway's ceiling with instant workers
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from bench.corpus import load_corpus
 from bench.loadgen import body_cycle, run_point
 from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
 from bench.stats import summarize, worker_view
+from deploy.placement import ModelPlacement, plan, simulated_gpus
 
 PEER_CONCURRENCY = 64  # the issue's targets are stated at concurrency 64
 Records = Iterator[dict[str, object]]
@@ -171,16 +173,36 @@ def synthetic(cfg: BenchConfig, name: str, workers: int, batch_ms: float, max_ba
 
 
 SCALE_BATCH_MS = 40.0  # one request per 40 ms forward: a worker serves at most 25 req/s
+SCALE_PLACEMENTS = ((1, 1), (2, 2))  # (simulated GPUs, workers per GPU)
+
+
+def placed(cfg: BenchConfig, gpus: int, per_gpu: int) -> VramguardService:
+    """Synthetic workers on `gpus` simulated GPUs, `per_gpu` on each, each pinned and given its
+    share of its GPU as `make up VRAMGUARD_SIM_GPUS=... GPUS=all WORKERS_PER_GPU=...` does."""
+    name = f"scale-{gpus}gpu-x{per_gpu}"
+    service = synthetic(cfg, name, gpus * per_gpu, SCALE_BATCH_MS, max_batch_size=1)
+    service.settings.update(device="sim", sim_gpus=gpus, device_ledger_dir=cfg.log_dir / name / "sim-ledger")
+    service.groups = plan([ModelPlacement(name="synthetic", workers=per_gpu)], simulated_gpus(gpus), watermark=0.8)
+    return service
 
 
 def scale(cfg: BenchConfig) -> Records:
-    """Throughput against synthetic worker count at concurrency 64, then the gateway's own
-    ceiling: instant workers (batch_ms 0) with batches of up to 64."""
+    """Throughput against synthetic worker count at concurrency 64, then 2 simulated GPUs x 2
+    workers against 1 x 1, then the gateway's own ceiling: instant workers (batch_ms 0) with
+    batches of up to 64."""
     for workers in cfg.scale_workers:
         service = synthetic(cfg, f"scale-{workers}", workers, SCALE_BATCH_MS, max_batch_size=1)
         service.start()
         try:
             yield measure(service, cfg, PEER_CONCURRENCY, suite="scale", config=f"{workers} workers", workers=workers)
+        finally:
+            service.stop()
+    for gpus, per_gpu in SCALE_PLACEMENTS:
+        service = placed(cfg, gpus, per_gpu)
+        service.start()
+        try:
+            yield measure(service, cfg, PEER_CONCURRENCY, suite="scale", config=f"{gpus} sim GPU x {per_gpu} workers",
+                          gpus=gpus, workers_per_gpu=per_gpu)
         finally:
             service.stop()
     service = synthetic(cfg, "gateway-ceiling", 2, 0.0, max_batch_size=64)

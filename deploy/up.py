@@ -1,8 +1,11 @@
 """Start vramguard on this machine under supervisor, in the foreground (`make up`).
 
-Redis (unless VRAMGUARD_REDIS_URL names one), the gateway on VRAMGUARD_PORT and WORKERS
-workers serving MODEL. Prints the URL and a curl example once /health/ready answers 200.
-Ctrl-C or SIGTERM stops everything (supervisor stops workers first, Redis last).
+Redis (unless VRAMGUARD_REDIS_URL names one), the gateway on VRAMGUARD_PORT and the worker
+programs of the placement (deploy/placement.py): WORKERS_PER_GPU workers of MODEL on each GPU
+of GPUS, or what a PLACEMENT file says; each worker pinned to one GPU by CUDA_VISIBLE_DEVICES
+with its share of that GPU's memory. Prints the URL and a curl example once /health/ready
+answers 200. Ctrl-C or SIGTERM stops everything (supervisor stops workers first, Redis last).
+With --workers-only (a worker container) it runs just the workers and no readiness check.
 """
 
 from __future__ import annotations
@@ -10,18 +13,35 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal, NoReturn
 
 import httpx
+from pydantic import ValidationError
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from deploy.placement import (  # noqa: E402
+    Gpu,
+    ModelPlacement,
+    PlacementError,
+    WorkerGroup,
+    gpus_from_nvidia_smi,
+    load_placement,
+    plan,
+    select_gpus,
+    simulated_gpus,
+)
+from deploy.programs import worker_environment, write_programs  # noqa: E402
 from shared.models import CATALOGUE  # noqa: E402
 from shared.redis_client import find_redis_server  # noqa: E402
 from shared.settings import Settings, SettingsError  # noqa: E402
@@ -49,60 +69,131 @@ def env_port(env: dict[str, str], name: str, default: str) -> str:
     return value
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Environment: VRAMGUARD_PORT (8000), VRAMGUARD_REDIS_PORT (6379), VRAMGUARD_REDIS_URL "
-        "(use an existing Redis), and any VRAMGUARD_* setting of shared/settings.py.",
+        "(use an existing Redis), VRAMGUARD_SIM_GPUS (simulate N GPUs), and any VRAMGUARD_* setting "
+        "of shared/settings.py. Exit code 2: a bad GPUS value or placement, nothing started.",
     )
     parser.add_argument("--model", default="minilm", choices=sorted(CATALOGUE), help="model to serve (default minilm)")
-    parser.add_argument("--workers", type=int, default=1, help="worker processes for the model (default 1)")
-    return parser.parse_args()
+    parser.add_argument("--workers-per-gpu", "--workers", dest="workers_per_gpu", type=int, default=1,
+                        help="worker processes of the model on each GPU (or on the CPU without GPUs; default 1)")
+    parser.add_argument("--gpus", default="", help="GPUs to use: all (default when nvidia-smi lists GPUs), "
+                        "or indexes / UUIDs, comma-separated")
+    parser.add_argument("--placement", type=Path, help="a TOML placement (deploy/placement.example.toml): "
+                        "models, their GPUs, workers and memory shares; replaces --model/--gpus/--workers-per-gpu")
+    parser.add_argument("--workers-only", action="store_true",
+                        help="run only the worker programs (a worker container; Redis and the gateway run elsewhere)")
+    return parser.parse_args(argv)
 
 
-def build_env(args: argparse.Namespace) -> dict[str, str]:
+def refuse(message: str) -> NoReturn:
+    """Stop before anything starts, exit code 2 (a bad GPUS value or placement)."""
+    print(f"up: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def find_gpus(sim_gpus: int) -> list[Gpu]:
+    """The GPUs of this host: `sim_gpus` simulated ones when > 0, else what nvidia-smi lists
+    (none when nvidia-smi is missing or fails: a CPU-only host)."""
+    if sim_gpus > 0:
+        return simulated_gpus(sim_gpus)
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return []
+    try:
+        out = subprocess.run([smi, "--query-gpu=index,uuid", "--format=csv,noheader"],
+                             capture_output=True, text=True, check=False, timeout=30)
+    except subprocess.TimeoutExpired:
+        print("up: nvidia-smi did not answer in 30 s; starting without GPUs", file=sys.stderr, flush=True)
+        return []
+    return gpus_from_nvidia_smi(out.stdout) if out.returncode == 0 else []
+
+
+def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
+    """The worker groups of the placement file, or of --model/--gpus/--workers-per-gpu. Refuses (exit 2)
+    an impossible one."""
+    if args.workers_per_gpu < 1:
+        refuse(f"WORKERS_PER_GPU={args.workers_per_gpu}: must be at least 1")
+    available = find_gpus(settings.sim_gpus)
+    try:
+        if args.placement is not None:
+            if args.gpus:
+                refuse("GPUS and PLACEMENT both given; name the GPUs in the placement file")
+            models = load_placement(args.placement)
+        else:
+            gpus: list[int | str] | Literal["all"] = "all"
+            if args.gpus and args.gpus != "all":
+                gpus = [gpu.visible_id for gpu in select_gpus(args.gpus, available)]
+            models = [ModelPlacement(name=args.model, gpus=gpus, workers=args.workers_per_gpu)]
+        return plan(models, available, settings.watermark)
+    except PlacementError as exc:
+        refuse(str(exc))
+    except ValidationError as exc:  # WORKERS_PER_GPU out of range
+        refuse("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+
+
+def build_env(workers_only: bool, groups: list[WorkerGroup]) -> dict[str, str]:
+    """The environment of supervisord: the VG_* variables deploy/supervisord.conf reads, the
+    gateway's settings, and the run dir of this stack (.run/<port>/, so two stacks do not share
+    a control socket)."""
     env = dict(os.environ)
-    run_dir = ROOT / ".run"
-    run_dir.mkdir(exist_ok=True)
     redis_port = env_port(env, "VRAMGUARD_REDIS_PORT", "6379")
     env.pop("VRAMGUARD_REDIS_PORT", None)  # consumed here; no process setting by that name
-    start_redis = "VRAMGUARD_REDIS_URL" not in env
+    start_redis = "VRAMGUARD_REDIS_URL" not in env and not workers_only
     if start_redis:
         if port_in_use(int(redis_port)):
             sys.exit(f"up: port {redis_port} is taken; set VRAMGUARD_REDIS_PORT or VRAMGUARD_REDIS_URL")
         env["VRAMGUARD_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     env["VRAMGUARD_PORT"] = env_port(env, "VRAMGUARD_PORT", "8000")
-    if port_in_use(int(env["VRAMGUARD_PORT"])):
+    if start_redis and not workers_only and env["VRAMGUARD_PORT"] == redis_port:
+        sys.exit(f"up: VRAMGUARD_PORT and VRAMGUARD_REDIS_PORT are both {redis_port}; the gateway and Redis "
+                 "need a port each")
+    if not workers_only and port_in_use(int(env["VRAMGUARD_PORT"])):
         sys.exit(f"up: port {env['VRAMGUARD_PORT']} is taken; set VRAMGUARD_PORT")
+    if env.get("VRAMGUARD_SIM_GPUS", "0") not in ("", "0"):
+        env.setdefault("VRAMGUARD_DEVICE", "sim")  # simulated GPUs need the simulated device
+    models = list(dict.fromkeys(g.model for g in groups))
+    run_dir = ROOT / ".run" / ("workers" if workers_only else env["VRAMGUARD_PORT"])
     env.update(
-        VRAMGUARD_MODEL=args.model,
-        VRAMGUARD_SERVED_MODELS=env.get("VRAMGUARD_SERVED_MODELS", args.model),
+        VRAMGUARD_MODEL=models[0],
+        VRAMGUARD_SERVED_MODELS=env.get("VRAMGUARD_SERVED_MODELS", ",".join(models)),
         VG_ROOT=str(ROOT),
         VG_RUN_DIR=str(run_dir),
         VG_PYTHON=sys.executable,
-        VG_WORKERS=str(args.workers),
-        VG_REDIS_SERVER=redis_server(),
+        VG_REDIS_SERVER=redis_server() if start_redis else "redis-server",
         VG_REDIS_PORT=redis_port,
         VG_START_REDIS="true" if start_redis else "false",
+        VG_START_GATEWAY="false" if workers_only else "true",
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
     )
     return env
 
 
-def check_settings(env: dict[str, str]) -> None:
-    """Fail here, with the variable's name, rather than in a crash-looping child."""
-    saved = dict(os.environ)
+def load_settings(env: Mapping[str, str]) -> Settings:
+    """Settings as a process started with `env` would read them; fails here, with the
+    variable's name, rather than in a crash-looping child."""
+    wanted, saved = dict(env), dict(os.environ)  # `env` may be os.environ itself
     os.environ.clear()
-    os.environ.update({k: v for k, v in env.items()})
+    os.environ.update(wanted)
     try:
-        Settings.from_env()
+        return Settings.from_env()
     except SettingsError as exc:
         sys.exit(f"up: {exc}")
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def check_workers(env: dict[str, str], groups: list[WorkerGroup]) -> None:
+    """Validate the settings each worker program will start with (its share against the watermark...)."""
+    for group in groups:
+        extra = {k: v.replace("%(host_node_name)s", "host").replace("%(process_num)d", "0")
+                 for k, v in worker_environment(group).items()}
+        load_settings({**env, **extra})
 
 
 def fatal_programs(conf: Path, env: dict[str, str]) -> list[str]:
@@ -113,10 +204,10 @@ def fatal_programs(conf: Path, env: dict[str, str]) -> list[str]:
 
 
 def report_fatal(names: list[str], run_dir: str) -> None:
-    """Say which programs supervisor gave up on and why: the last distinct errors of their logs."""
+    """Say which programs cannot start and why: the last distinct errors of their logs."""
     for name in names:
         log_path = Path(run_dir) / f"{name.split(':')[-1]}.log"
-        print(f"up: {name} cannot start (supervisor gave up); see {log_path}", flush=True)
+        print(f"up: {name} cannot start; see {log_path}", flush=True)
         lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
         reasons: list[str] = []
         for line in lines:
@@ -132,8 +223,26 @@ def report_fatal(names: list[str], run_dir: str) -> None:
             print(f"    {reason[:400]}", flush=True)
 
 
+# "exited: worker-synthetic-gpu0-1 (exit status 3; not expected)" in supervisord's log.
+EXITED = re.compile(r"exited: (\S+) \(exit status (\d+); not expected\)")
+
+
+def failing_at_start(run_dir: str) -> list[str]:
+    """Processes that exited unexpectedly at least twice before the stack was ready, from
+    supervisord's log. A worker imports torch and loads weights before it can fail, which takes
+    longer than supervisor's `startsecs`, so supervisor sees a crash loop of "running" processes
+    and never gives up (FATAL); two failed starts in a row are the launcher's sign instead."""
+    log_path = Path(run_dir) / "supervisord.log"
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    counts: dict[str, int] = {}
+    for name, _status in EXITED.findall(text):
+        counts[name] = counts.get(name, 0) + 1
+    return [name for name, n in counts.items() if n >= 2]
+
+
 def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str]) -> bool:
-    """Poll /health/ready until 200. Stops early (False) when supervisord exits or gives up on a program."""
+    """Poll /health/ready until 200. Stops early (False) when supervisord exits, gives up on a
+    program, or a program keeps exiting at start (its logged errors are printed)."""
     url = f"http://127.0.0.1:{port}/health/ready"
     deadline = time.monotonic() + READY_TIMEOUT_S
     last = ""
@@ -141,9 +250,9 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
     while time.monotonic() < deadline and proc.poll() is None:
         polls += 1
         if polls % 6 == 0:  # every ~3 s
-            fatal = fatal_programs(conf, env)
-            if fatal:
-                report_fatal(fatal, env["VG_RUN_DIR"])
+            failing = fatal_programs(conf, env) or failing_at_start(env["VG_RUN_DIR"])
+            if failing:
+                report_fatal(failing, env["VG_RUN_DIR"])
                 return False
         try:
             response = httpx.get(url, timeout=2.0)
@@ -159,18 +268,47 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
     return False
 
 
-def main() -> int:
-    args = parse_args()
-    if args.workers < 1:
-        sys.exit("up: --workers must be at least 1")
-    env = build_env(args)
-    check_settings(env)
+def describe(groups: list[WorkerGroup]) -> str:
+    """One line per worker program: what runs where, with what share."""
+    lines = []
+    for g in groups:
+        where = f"GPU {g.gpu.index} ({g.gpu.visible_id})" if g.gpu is not None else (
+            "a simulated device of its own" if os.environ.get("VRAMGUARD_DEVICE") == "sim" else "the CPU")
+        share = "" if g.share is None else f", {g.share:g} of its memory each"
+        lines.append(f"up: {g.program}: {g.workers} x {g.model} on {where}{share}")
+    return "\n".join(lines)
+
+
+def watch_workers(proc: subprocess.Popen[bytes], conf: Path, env: dict[str, str]) -> int:
+    """Workers-only mode: wait for supervisord; stop it (exit 1) when it gives up on a program,
+    so that the container's restart policy starts a fresh one."""
+    while proc.poll() is None:
+        time.sleep(3)
+        fatal = fatal_programs(conf, env) if proc.poll() is None else []
+        if fatal:
+            report_fatal(fatal, env["VG_RUN_DIR"])
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            return 1
+    return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    # VRAMGUARD_REDIS_PORT is the launcher's own (build_env consumes it); no process has that setting.
+    groups = place(args, load_settings({k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}))
+    env = build_env(args.workers_only, groups)
+    load_settings(env)
+    check_workers(env, groups)
+    write_programs(Path(env["VG_RUN_DIR"]), groups, log_to_stdout=args.workers_only)
     conf = ROOT / "deploy" / "supervisord.conf"
     supervisord = Path(sys.executable).with_name("supervisord")
     proc = subprocess.Popen([str(supervisord), "-c", str(conf)], env=env, cwd=ROOT)
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGTERM))
-    print(f"up: {args.workers} worker(s) of {args.model}; logs in {env['VG_RUN_DIR']}/", flush=True)
+    print(f"{describe(groups)}\nup: logs in {env['VG_RUN_DIR']}/", flush=True)
+    if args.workers_only:
+        return watch_workers(proc, conf, env)
     port = env["VRAMGUARD_PORT"]
     if not wait_ready(proc, port, conf, env):
         if proc.poll() is not None:  # stopped by Ctrl-C or SIGTERM, or supervisord failed
@@ -179,9 +317,10 @@ def main() -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait()
         return 1
-    example = '{"inputs": ["a sentence", "another one"]}' if args.model == "minilm" else '{"inputs": [1, "two"]}'
+    model = groups[0].model
+    example = '{"inputs": ["a sentence", "another one"]}' if model == "minilm" else '{"inputs": [1, "two"]}'
     print(f"\nvramguard is ready at http://127.0.0.1:{port}\n"
-          f"  curl -s -X POST http://127.0.0.1:{port}/v1/models/{args.model}/infer "
+          f"  curl -s -X POST http://127.0.0.1:{port}/v1/models/{model}/infer "
           f"-H 'Content-Type: application/json' -d '{example}'\n"
           f"Ctrl-C stops it.\n", flush=True)
     return proc.wait()

@@ -10,6 +10,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.app import create_app, drain_requests
+from gateway.server import uvicorn_options
 from shared.logs import configure_logging
 from shared.settings import Settings, SettingsError
 
@@ -29,6 +30,7 @@ def main() -> int:
         access_log=settings.access_log,
         log_config=None,  # keep our JSON handler
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
+        **uvicorn_options(settings),  # type: ignore[arg-type]
     )
     DrainingServer(config, app).run()
     return 0

@@ -1,31 +1,46 @@
 """The FastAPI application: `create_app(settings)` wires Redis, the ReplyListener, Health and
-the Dispatcher in its lifespan, and renders every error as
-`{"error": {"code", "message", "request_id"}}` with the status from shared/errors.py."""
+the Dispatcher in its lifespan, and renders every error with the status from shared/errors.py in
+the shape of the route's protocol: `{"error": {"code", "message", "request_id"}}` (native),
+`{"error": "<message>"}` (KServe v2, /v2/...), OpenAI's (/v1/embeddings). No redirects: a
+trailing slash is a 404 like any unknown path."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from gateway import kserve, openai_compat
 from gateway.dispatch import Dispatcher
+from gateway.edge import ClientGoneError
 from gateway.health import Health
 from gateway.metrics import GatewayMetrics
 from gateway.observe import router as observe_router
+from gateway.openapi import install_schemas
+from gateway.queues import ensure_groups
 from gateway.replies import ReplyListener
-from gateway.routes import health_router, router
+from gateway.routes import health_router, require_api_key, router
 from shared.clocksync import ClockSync
-from shared.errors import QueueFullError, UnauthorizedError, UnavailableError, VramguardError
+from shared.errors import (
+    DeadlineExceededError,
+    ModelError,
+    QueueFullError,
+    UnauthorizedError,
+    UnavailableError,
+    VramguardError,
+)
 from shared.keys import Keys
-from shared.redis_client import connect, connect_blocking
+from shared.redis_client import check_eviction_policy, connect, connect_blocking
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -54,6 +69,13 @@ def create_app(settings: Settings) -> FastAPI:
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
+        try:
+            await check_eviction_policy(redis, settings)  # raises RuntimeError under redis_eviction_check=refuse
+            await ensure_groups(redis, keys, settings.served_models)
+        except RedisError as exc:
+            # Start anyway: readiness and admission answer 503 until Redis answers, and the first
+            # worker to connect creates the groups (DESIGN.md: Redis down means 503, then recovery).
+            log.warning("Redis unreachable at start; answering 503 until it is back", extra={"error": str(exc)})
         await health.start()
         log.info("gateway started", extra={"gateway_id": gateway_id, "settings": settings.masked()})
         try:
@@ -68,10 +90,14 @@ def create_app(settings: Settings) -> FastAPI:
             await redis.aclose()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
-    app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.include_router(router)
+    app.include_router(openai_compat.router, dependencies=[Depends(require_api_key)])
+    app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
+    app.include_router(kserve.health_router)
     app.include_router(health_router)
     app.include_router(observe_router)
+    install_schemas(app, settings.served_models)
     _install_error_handlers(app)
     return app
 
@@ -96,12 +122,34 @@ def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
-def _error_headers(exc: VramguardError) -> dict[str, str] | None:
+def _error_headers(exc: VramguardError) -> dict[str, str]:
+    """Retry-After where waiting helps (429, 503); `x-should-retry: false` where a retry of the same
+    request cannot help, so clients that retry 5xx by default (openai's) send one request, not three."""
     if isinstance(exc, QueueFullError):
         return {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, UnavailableError):
+        return {"Retry-After": "1"}
+    headers = {"x-should-retry": "false"} if isinstance(exc, DeadlineExceededError | ModelError) else {}
     if isinstance(exc, UnauthorizedError):
-        return {"WWW-Authenticate": "Bearer"}
-    return None
+        headers["WWW-Authenticate"] = "Bearer"
+    return headers
+
+
+def render_error(
+    request: Request, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
+    """An error response in the shape of the protocol the request's path speaks."""
+    request_id = _request_id(request)
+    path = request.url.path
+    body: object
+    if path == "/v2" or path.startswith("/v2/"):
+        body = kserve.error_body(message)
+        status = 400 if status == 422 else status  # v2 (Triton) answers 400 to every invalid request
+    elif path == openai_compat.PATH:
+        body = openai_compat.error_body(status, code, message, request_id)
+    else:
+        body = error_body(code, message, request_id)
+    return JSONResponse(body, status_code=status, headers=dict(headers or {}))
 
 
 def _http_code(status: int) -> str:
@@ -116,26 +164,30 @@ def _http_code(status: int) -> str:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(VramguardError)
     async def _vramguard_error(request: Request, exc: VramguardError) -> JSONResponse:
-        request_id = exc.request_id or _request_id(request)
-        return JSONResponse(
-            error_body(exc.code, exc.message, request_id), status_code=exc.http_status, headers=_error_headers(exc)
-        )
+        if exc.request_id and not _request_id(request):
+            request.state.request_id = exc.request_id
+        return render_error(request, exc.http_status, exc.code, exc.message, _error_headers(exc))
+
+    @app.exception_handler(ClientGoneError)
+    async def _client_gone(request: Request, exc: ClientGoneError) -> Response:
+        return Response(status_code=exc.http_status)  # nobody reads it; uvicorn drops it
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body("invalid_input", str(exc.errors()[:3]), _request_id(request)), status_code=422)
+        return render_error(request, 422, "invalid_input", _summarise(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own 404 (no route) and 405 (wrong method, with its Allow header), in our format.
-        message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(
-            error_body(_http_code(exc.status_code), message, _request_id(request)),
-            status_code=exc.status_code,
-            headers=exc.headers,
-        )
+        message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
+        return render_error(request, exc.status_code, _http_code(exc.status_code), message, exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", extra={"path": request.url.path, "request_id": _request_id(request)})
-        return JSONResponse(error_body("internal", "internal error", _request_id(request)), status_code=500)
+        return render_error(request, 500, "internal", "internal error", {"x-should-retry": "false"})
+
+
+def _summarise(errors: Sequence[Any]) -> str:
+    """FastAPI's validation errors (path and header parameters) as one line: location and message."""
+    return "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in errors[:3])

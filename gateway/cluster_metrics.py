@@ -1,4 +1,4 @@
-"""`ClusterCollector`: the workers' and queues' series, built at scrape time (issue 5).
+"""`ClusterCollector`: the workers' and queues' series, built at scrape time.
 
 Worker series come from the heartbeat hashes cached in gateway/health.py's HealthView, so a
 worker whose heartbeat expired has no series at all (nothing frozen). Queue series come from
@@ -22,6 +22,7 @@ from prometheus_client.utils import floatToGoString
 from gateway.health import Health
 from gateway.queues import QueueStats
 from shared import metrics as m
+from shared.heartbeat import WorkerBeat
 
 
 class ClusterCollector(Collector):
@@ -37,8 +38,7 @@ class ClusterCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queue_families()
-        beats = [(model, wid, beat) for model in self._models
-                 for wid, beat in self._health.view.workers.get(model, {}).items()]
+        beats = [beat for model in self._models for beat in self._health.view.workers.get(model, {}).values()]
         yield from self._worker_families(beats)
 
     def _queue_families(self) -> Iterator[Metric]:
@@ -63,25 +63,23 @@ class ClusterCollector(Collector):
                 family.add_metric([model], float(getattr(stats, attr)))
             yield family
 
-    def _worker_families(self, beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
+    def _worker_families(self, beats: list[WorkerBeat]) -> Iterator[Metric]:
         labels = list(m.WORKER_LABELS)
-        info = GaugeMetricFamily(m.WORKER_INFO, "1 per live worker; state and pid as labels.",
-                                 labels=[*labels, "state", "pid"])
+        info = GaugeMetricFamily(m.WORKER_INFO, "1 per live worker; state, pid and GPU UUID as labels.",
+                                 labels=[*labels, "state", "pid", "gpu_uuid"])
         healthy = GaugeMetricFamily(m.WORKER_HEALTHY, "1 while the worker's watchdog reports healthy.", labels=labels)
-        for model, wid, beat in beats:
-            key = [model, wid, m.device_label(beat)]
-            info.add_metric([*key, beat.get("state", "unknown"), beat.get("pid", "")], 1.0)
-            healthy.add_metric(key, 1.0 if beat.get("healthy") == "1" else 0.0)
+        for beat in beats:
+            key = m.worker_label_values(beat)
+            info.add_metric([*key, beat.state, str(beat.pid), beat.gpu_uuid], 1.0)
+            healthy.add_metric(key, 1.0 if beat.healthy else 0.0)
         yield info
         yield healthy
-        plan_fields = sorted({f for _, _, beat in beats for f in beat if f.startswith("plan_")})
-        specs = [*m.WORKER_FIELDS, *filter(None, map(m.plan_field_metric, plan_fields))]
-        for spec in specs:
+        for spec in (*m.WORKER_FIELDS, *m.plan_field_metrics()):
             yield from _field_family(spec, beats)
         yield from _histogram_families(beats)
 
 
-def _field_family(spec: m.FieldMetric, beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
+def _field_family(spec: m.FieldMetric, beats: list[WorkerBeat]) -> Iterator[Metric]:
     """One family for `spec`, with a sample per worker that publishes the field; nothing when
     no worker does (e.g. memory fields before the memory budget runs)."""
     family: GaugeMetricFamily | CounterMetricFamily
@@ -89,22 +87,22 @@ def _field_family(spec: m.FieldMetric, beats: list[tuple[str, str, dict[str, str
         family = CounterMetricFamily(spec.name, spec.help, labels=list(m.WORKER_LABELS))
     else:
         family = GaugeMetricFamily(spec.name, spec.help, labels=list(m.WORKER_LABELS))
-    for model, wid, beat in beats:
-        value = m.parse_number(beat.get(spec.field))
+    for beat in beats:
+        value = getattr(beat, spec.field)
         if value is not None:
-            family.add_metric([model, wid, m.device_label(beat)], value * spec.scale)
+            family.add_metric(m.worker_label_values(beat), float(value) * spec.scale)
     if family.samples:
         yield family
 
 
-def _histogram_families(beats: list[tuple[str, str, dict[str, str]]]) -> Iterator[Metric]:
-    decoded = [(model, wid, beat, m.decode_histograms(beat.get(m.HISTOGRAM_FIELD))) for model, wid, beat in beats]
+def _histogram_families(beats: list[WorkerBeat]) -> Iterator[Metric]:
+    decoded = [(beat, m.decode_histograms(beat.histograms)) for beat in beats]
     for short, (name, doc) in m.HISTOGRAMS.items():
         family = HistogramMetricFamily(name, doc, labels=list(m.WORKER_LABELS))
-        for model, wid, beat, snaps in decoded:
+        for beat, snaps in decoded:
             snap = snaps.get(short)
             if snap is not None:
                 buckets = [(floatToGoString(le), count) for le, count in snap.buckets]  # type: ignore[no-untyped-call]
-                family.add_metric([model, wid, m.device_label(beat)], buckets, snap.sum)
+                family.add_metric(m.worker_label_values(beat), buckets, snap.sum)
         if family.samples:
             yield family

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -27,35 +28,38 @@ from shared.errors import (
 )
 from shared.keys import Keys
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from shared.redis_client import RETRY_WINDOW_S
+from shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Admission, atomic (issue 4) and idempotent per request id. KEYS: request stream, this gateway's
-# reply stream, the request's admission record. ARGV: queue_bound, entry field, packed request,
-# reply init field, reply maxlen, reply TTL s, admission record TTL ms.
+# Admission, atomic (issue 4), on the model's hash slot only, and idempotent per request id.
+# KEYS: request stream, the request's admission record (same slot: shared/keys.py). ARGV:
+# queue_bound, entry field, packed request, admission record TTL ms.
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
-#   have run: the record (request id -> entry id, kept RETRY_WINDOW_S) makes the re-sent script
-#   answer the first run's entry id instead of enqueueing, and counting, the request twice.
+#   have run: the record (request id -> entry id, kept RETRY_WINDOW_S + 1 s) makes the re-sent
+#   script answer the first run's entry id instead of enqueueing, and counting, the request twice.
 # - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
-#   bound nothing is added (never trim accepted entries to make room): returns {0, depth}.
-# - A missing reply stream means Redis lost its data; it is recreated here, before the request,
-#   so that workers (XADD NOMKSTREAM) can answer it: returns {2, id}. Otherwise {1, id}.
+#   bound nothing is added (never trim accepted entries to make room): returns {0, depth}, else {1, id}.
 ADMISSION = """
-local first = redis.call('GET', KEYS[3])
+local first = redis.call('GET', KEYS[2])
 if first then return {1, first} end
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
-local status = 1
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', ARGV[4], '1')
-  redis.call('EXPIRE', KEYS[2], ARGV[6])
-  status = 2
-end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
-redis.call('SET', KEYS[3], id, 'PX', ARGV[7])
-return {status, id}
+redis.call('SET', KEYS[2], id, 'PX', ARGV[4])
+return {1, id}
+"""
+
+# The reply stream, on this gateway's hash slot. KEYS: reply stream. ARGV: init field, maxlen, TTL s.
+# A missing reply stream means Redis lost its data; it is recreated before the worker can answer
+# (workers XADD with NOMKSTREAM): returns 1 when it had to, else 0. A separate script from
+# ADMISSION because under Redis Cluster the two keys live in different slots (shared/keys.py).
+ENSURE_REPLY_STREAM = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[1], '1')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+return 1
 """
 ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 
@@ -79,6 +83,7 @@ class Dispatcher:
         self.failed = 0
         self._throughput = {model: ThroughputMeter() for model in settings.served_models}
         self._admission = redis.register_script(ADMISSION)
+        self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
 
     def __repr__(self) -> str:
         return f"<Dispatcher submitted={self.submitted} answered={self.answered} failed={self.failed}>"
@@ -170,29 +175,43 @@ class Dispatcher:
         except TimeoutError as exc:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
-            raise UnavailableError(f"Redis is unreachable: {exc}") from exc
+            # The client gets no hostnames or Redis text; the request's log line has them (detail).
+            if is_out_of_memory(exc):
+                # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
+                raise UnavailableError("Redis is out of memory (maxmemory reached); request not queued, retry later",
+                                       detail=str(exc)) from exc
+            raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
-        """Check the bound and XADD in one step (the ADMISSION script above). Raises QueueFullError
-        with a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
+        """Check the bound and XADD in one step (ADMISSION), while ENSURE_REPLY_STREAM checks the
+        reply stream concurrently (one round trip of latency, two slots). Raises QueueFullError with
+        a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
-        status, value = await self._admission(
-            keys=[self._keys.request_stream(model), self._listener.stream,
-                  self._keys.admission(model, message.request_id)],
-            args=[config.queue_bound, ENTRY_FIELD, message.encode(), INIT_FIELD,
-                  self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s, ADMISSION_RECORD_TTL_MS],
+        # gather starts the reply-stream check first: in the data-loss case the stream exists again
+        # long before a worker can have read, run and answered the new entry.
+        results = await asyncio.gather(
+            self._ensure_reply(keys=[self._listener.stream], args=[
+                INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
+            self._admission(keys=[self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
+                            args=[config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
+            return_exceptions=True,  # both always finish; the first error is raised below
         )
+        recreated, admitted = results
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        status, value = cast(list[object], admitted)
+        if recreated:
+            log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
+            self._listener.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
         if status == 0:
-            retry_s = retry_after_s(int(value), self._throughput[model].rate_per_s())
+            retry_s = retry_after_s(int(cast(int, value)), self._throughput[model].rate_per_s())
             raise QueueFullError(
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
-        if status == 2:
-            log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
-            self._listener.stream_lost(UnavailableError("Redis lost the request (it restarted); retry"))
 
     @staticmethod
     def _remaining_s(timeout_ms: int, started_ms: float) -> float:

@@ -17,8 +17,8 @@ from redis.exceptions import RedisError
 
 from shared.clock import now_ms
 from shared.errors import UnavailableError
+from shared.heartbeat import WorkerBeat
 from shared.keys import Keys
-from shared.metrics import parse_number
 from shared.periodic import Periodic
 from shared.settings import Settings
 
@@ -27,12 +27,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class HealthView:
-    """What the last refresh saw: whether Redis answered, and live workers per model with their
-    heartbeat fields (str -> str, as the worker wrote them; see worker/heartbeat.py)."""
+    """What the last refresh saw: whether Redis answered, and per model the workers with a fresh
+    heartbeat, each as its parsed record (shared/heartbeat.py)."""
 
     redis_ok: bool = False
     redis_error: str = "not checked yet"
-    workers: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
+    workers: dict[str, dict[str, WorkerBeat]] = field(default_factory=dict)
     refreshed_ms: int = 0
 
 
@@ -59,7 +59,7 @@ class Health:
         now = now_ms()
         oldest = now - self._settings.heartbeat_ttl_ms
         try:
-            workers: dict[str, dict[str, dict[str, str]]] = {}
+            workers: dict[str, dict[str, WorkerBeat]] = {}
             for model in self._settings.served_models:
                 index = self._keys.worker_index(model)
                 await self._redis.zremrangebyscore(index, "-inf", f"({oldest}")
@@ -69,37 +69,32 @@ class Health:
                         pipe.hgetall(self._keys.heartbeat(worker_id.decode()))
                     beats = await pipe.execute()
                 workers[model] = {
-                    wid.decode(): {k.decode(): v.decode() for k, v in beat.items()}
-                    for wid, beat in zip(ids, beats, strict=True)
-                    if beat
+                    wid.decode(): WorkerBeat.from_hash(beat) for wid, beat in zip(ids, beats, strict=True) if beat
                 }
             self.view = HealthView(redis_ok=True, redis_error="", workers=workers, refreshed_ms=now)
         except RedisError as exc:
             self.view = HealthView(redis_ok=False, redis_error=str(exc) or type(exc).__name__, refreshed_ms=now)
 
-    def live_workers(self, model: str) -> dict[str, dict[str, str]]:
+    def live_workers(self, model: str) -> dict[str, WorkerBeat]:
         """Workers of `model` whose heartbeat was fresh at the last refresh, who report ready and
         whose last successful probe or batch is recent (`worker_problem` is None)."""
         now = now_ms()
         return {w: b for w, b in self.view.workers.get(model, {}).items() if self.worker_problem(b, now) is None}
 
-    def worker_problem(self, beat: dict[str, str], now: int) -> str | None:
-        """Why a worker with a fresh heartbeat cannot serve, or None when it can (issue 5).
+    def worker_problem(self, beat: WorkerBeat, now: int) -> str | None:
+        """Why a worker with a fresh heartbeat cannot serve, or None when it can.
 
-        It must say state=ready and healthy=1, and its `last_ok_ms` (epoch ms of its last
+        It must say state=ready and healthy, and its `last_ok_ms` (epoch ms of its last
         successful probe, warmup or batch) must be younger than twice its own
         `probe_interval_ms` plus heartbeat_ttl_ms: an idle worker probes every interval and a
         busy one succeeds with each batch, so an older mark means a hung or failing device.
         """
-        state = beat.get("state", "unknown")
-        if state != "ready":
-            return f"state={state}" + (f" ({beat['unhealthy_reason']})" if beat.get("unhealthy_reason") else "")
-        if beat.get("healthy") != "1":
+        if beat.state != "ready":
+            return f"state={beat.state}" + (f" ({beat.unhealthy_reason})" if beat.unhealthy_reason else "")
+        if not beat.healthy:
             return "no successful probe reported"
-        last_ok = parse_number(beat.get("last_ok_ms")) or 0.0
-        interval = parse_number(beat.get("probe_interval_ms")) or 0.0
-        age_ms = now - last_ok
-        if age_ms > 2 * interval + self._settings.heartbeat_ttl_ms:
+        age_ms = now - beat.last_ok_ms
+        if age_ms > 2 * beat.probe_interval_ms + self._settings.heartbeat_ttl_ms:
             return f"last successful probe or batch {age_ms / 1000:.1f} s ago"
         return None
 
@@ -108,7 +103,7 @@ class Health:
         if self.shutting_down:
             raise UnavailableError("the gateway is shutting down")
         if not self.view.redis_ok:
-            raise UnavailableError(f"Redis is unreachable: {self.view.redis_error}")
+            raise UnavailableError("the broker is unreachable; retry later", detail=self.view.redis_error)
         if not self.live_workers(model):
             raise UnavailableError(f"no live worker serves model {model!r}")
 

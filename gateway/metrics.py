@@ -37,6 +37,7 @@ class RequestRecord:
     model: str
     request_id: str | None = None
     reply: ReplyMessage | None = None
+    error_detail: str | None = None  # what the client was not told (VramguardError.detail)
 
 
 class GatewayMetrics:
@@ -73,6 +74,7 @@ class GatewayMetrics:
         except VramguardError as exc:
             outcome = exc.code
             record.request_id = record.request_id or exc.request_id
+            record.error_detail = exc.detail
             raise
         except asyncio.CancelledError:
             outcome = "cancelled"  # the client went away
@@ -97,8 +99,12 @@ class GatewayMetrics:
 def _log_request(record: RequestRecord, outcome: str, elapsed_s: float) -> None:
     extra: dict[str, object] = {"model": record.model, "request_id": record.request_id, "outcome": outcome,
                                 "duration_ms": round(elapsed_s * 1000, 2)}
+    if record.error_detail:
+        extra["error_detail"] = record.error_detail
     if record.reply is not None:
         extra.update(worker_id=record.reply.worker_id, batch_size=record.reply.batch_size,
                      queue_delay_ms=record.reply.queue_delay_ms)
     # One line per request: errors at INFO, successes at DEBUG (the access log covers them when on).
-    log.log(logging.DEBUG if outcome == "ok" else logging.INFO, "request done", extra=extra)
+    # A client that hung up is its own business: DEBUG too, so no client can flood the log.
+    quiet = outcome in ("ok", "client_disconnected")
+    log.log(logging.DEBUG if quiet else logging.INFO, "request done", extra=extra)

@@ -1,5 +1,7 @@
 """Queue statistics read at scrape time (issue 5): entries waiting, pending entries and dead
-letters per model, for /metrics and the status page. Read-only; one pipeline per call."""
+letters per model, for /metrics and the status page (read-only; one pipeline per call), and
+`ensure_groups`, which creates each served model's request stream and `workers` group at gateway
+start, so an autoscaler reading the group's lag finds it before the first worker exists."""
 
 from __future__ import annotations
 
@@ -43,3 +45,14 @@ async def read_queue_stats(redis: aioredis.Redis, keys: Keys, models: list[str])
         out[model] = QueueStats(waiting=max(0, length - pending), pending=pending,
                                 dead_letters=dead if isinstance(dead, int) else 0)
     return out
+
+
+async def ensure_groups(redis: aioredis.Redis, keys: Keys, models: list[str]) -> None:
+    """XGROUP CREATE ... MKSTREAM for each model's request stream, from id 0 (as the worker does);
+    an existing group (BUSYGROUP) is left alone. Raises RedisError for anything else."""
+    for model in models:
+        try:
+            await redis.xgroup_create(keys.request_stream(model), GROUP, id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise

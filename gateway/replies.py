@@ -15,6 +15,7 @@ from redis.exceptions import RedisError
 from shared.errors import UnavailableError
 from shared.periodic import Periodic
 from shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
+from shared.redis_client import describe_data_loss
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,12 @@ class ReplyListener:
                 future.set_exception(error)
 
     async def start(self) -> None:
-        """Create the reply stream and start reading; raises RedisError if Redis is down at start."""
-        await self._ensure_stream()
+        """Create the reply stream and start reading. With Redis down at start the stream is
+        created by the keepalive once Redis answers; admission answers 503 until then."""
+        try:
+            await self._ensure_stream()
+        except RedisError as exc:
+            log.warning("cannot create the reply stream yet; Redis unreachable", extra={"error": str(exc)})
         self._reader = asyncio.create_task(self._read_loop(), name="reply-listener")
         self._keepalive.start()
 
@@ -115,7 +120,7 @@ class ReplyListener:
         try:
             if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
-                self.stream_lost(UnavailableError("Redis lost the request (it restarted); retry"))
+                self.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
                 await self._ensure_stream()
         except RedisError as exc:
             log.warning("reply stream keepalive failed", extra={"error": str(exc)})

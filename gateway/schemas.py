@@ -7,16 +7,15 @@ InvalidInputError (422), or 400 for a body that is not JSON at all.
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
-from shared.errors import InvalidInputError, PayloadTooLargeError
+from gateway.edge import MAX_TIMEOUT_MS, check_text_length
+from shared.errors import InputTooLongError, InvalidInputError, PayloadTooLargeError
 from shared.models import InputKind, ModelConfig, ModelSpec
 
-MAX_TEXT_CHARS = 100_000  # per input; minilm truncates to its 256-token window anyway
-MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
 # msgpack (shared/protocol.py) carries integers from int64's minimum to uint64's maximum; JSON has no bound.
 WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
 
@@ -44,18 +43,28 @@ class InferResponse(BaseModel):
 
 
 class ModelInfo(BaseModel):
-    """GET /v1/models/{model}: the catalogue entry, its batching settings and its live workers."""
+    """GET /v1/models/{model}: the catalogue entry, its batching settings and its live workers,
+    with OpenAI's model fields (`id`, `object`, `created`, `owned_by`) first."""
 
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0  # OpenAI's creation time (epoch s); catalogue models have none
+    owned_by: str = "vramguard"
     name: str
     description: str
     input_kind: InputKind
     output: str
     config: ModelConfig
     live_workers: int
-    workers: dict[str, dict[str, str]]
+    workers: dict[str, dict[str, JsonValue]]  # worker_id -> its heartbeat record (shared/heartbeat.py), no histograms
 
 
 class ModelList(BaseModel):
+    """GET /v1/models: OpenAI's list shape (`object`, `data`); `models` repeats `data` for
+    clients of vramguard's earlier shape."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelInfo]
     models: list[ModelInfo]
 
 
@@ -111,22 +120,42 @@ def _summarise(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def validate_inputs(spec: ModelSpec, inputs: list[JsonValue]) -> None:
-    """Check each input against the model's declared kind. Raises InvalidInputError naming the index.
+def validate_inputs(spec: ModelSpec, inputs: list[JsonValue], *, truncate: bool = False) -> list[JsonValue]:
+    """Check each input against the model's declared kind; return the inputs to enqueue.
+    Raises InvalidInputError naming the index (InputTooLongError, 413, past the length policy).
 
-    text: a non-blank string of at most MAX_TEXT_CHARS characters.
+    text: a string with a visible character, within the model's window (gateway/edge.py's
+        check_text_length; cut to it when `truncate`).
     json: any JSON value whose numbers are finite.
     """
+    out: list[JsonValue] = []
     for i, value in enumerate(inputs):
         if spec.input_kind is InputKind.TEXT:
             if not isinstance(value, str):
                 raise InvalidInputError(f"inputs[{i}]: model {spec.name!r} takes strings, got {type(value).__name__}")
-            if not value.strip():
-                raise InvalidInputError(f"inputs[{i}]: empty string")
-            if len(value) > MAX_TEXT_CHARS:
-                raise InvalidInputError(f"inputs[{i}]: {len(value)} characters, more than {MAX_TEXT_CHARS}")
+            value = check_text_length(spec, i, value, truncate)
         elif not _all_finite(value):
             raise InvalidInputError(f"inputs[{i}]: contains a non-finite number")
+        out.append(value)
+    return out
+
+
+def validate_token_inputs(spec: ModelSpec, inputs: list[JsonValue], *, truncate: bool) -> list[JsonValue]:
+    """Token-id inputs of a text model: each a non-empty list of non-negative integers (the worker
+    checks them against its vocabulary), at most the window less [CLS] and [SEP]. Longer: cut
+    there when `truncate`, else InputTooLongError (413) naming the count and the limit."""
+    if spec.input_kind is not InputKind.TEXT or spec.max_input_tokens is None:
+        raise InvalidInputError(f"model {spec.name!r} does not take token ids")
+    limit = spec.max_input_tokens - 2
+    out: list[JsonValue] = []
+    for i, ids in enumerate(inputs):
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise InvalidInputError(f"inputs[{i}]: a token-id input is a non-empty list of non-negative integers")
+        if len(ids) > limit and not truncate:
+            raise InputTooLongError(f"inputs[{i}]: {len(ids)} tokens, more than the {limit} the model's "
+                                    f"{spec.max_input_tokens}-token window holds besides [CLS] and [SEP]")
+        out.append(ids[:limit])
+    return out
 
 
 def _all_finite(value: JsonValue) -> bool:

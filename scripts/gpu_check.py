@@ -4,6 +4,8 @@
     python scripts/gpu_check.py load --url URL --model minilm -n 500
         fire N concurrent requests, then print each worker's memory from its heartbeat,
         the OOM count and the requests lost (must be 0)
+    python scripts/gpu_check.py shares --url URL --model minilm --workers 2
+        after `load` on several workers of one GPU: their budgets add up, no OOM
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+WATERMARK = 0.8  # gpu_check.sh's stack of several workers runs at the default watermark
+
 
 class ResNet50Backend:
-    """torchvision ResNet-50, random weights, fp16: enough for memory and speed (issue 3)."""
+    """torchvision ResNet-50, random weights, fp16: enough for memory and speed."""
 
     name = "resnet50"
     max_item_cost = 1
@@ -62,13 +66,16 @@ class ResNet50Backend:
 
 
 def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
+    from shared.models import ModelConfig
+    from shared.settings import Settings
     from worker.execute import run_batch
     from worker.memory import start_budget
 
     backend = ResNet50Backend()
+    settings = Settings.from_env()  # the placement of this process: CUDA_VISIBLE_DEVICES, VRAMGUARD_MEMORY_SHARE
     budget = start_budget(
-        backend, sim_memory_bytes=1, watermark=0.8, workers_per_gpu=1, max_batch_size_cap=cap, planner=True,
-        success_run=16, warm_up=lambda: run_batch(backend, backend.example_inputs(), cap), total_bytes=total_bytes,
+        backend, settings, ModelConfig(max_batch_size=cap),
+        warm_up=lambda: run_batch(backend, backend.example_inputs(), cap), total_bytes=total_bytes, register=False,
     )
     return {"model": "resnet50-fp16", "device": "cuda", **budget.plan.as_dict()}
 
@@ -94,12 +101,29 @@ async def fire(url: str, model: str, n: int) -> None:
     print(f"requests: {n}  statuses: {counts}  requests lost: {lost}")
     for worker_id, beat in workers.items():
         peak, budget = int(beat["mem_peak_bytes"]), int(beat["mem_budget_bytes"])
-        print(f"worker {worker_id}: baseline {beat['plan_baseline_bytes']} weights {beat['plan_weights_bytes']} "
-              f"fixed {beat['plan_fixed_bytes']} per_token {beat['plan_per_token_bytes']} | max_batch_size "
-              f"{beat['plan_max_batch_size']} max_batch_tokens {beat['plan_max_batch_tokens']} | peak allocated "
-              f"{peak} vs budget {budget} ({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
-              f"batch_splits {beat['batch_splits']} adaptive_cap {beat['adaptive_cap']}")
+        print(f"worker {worker_id}: gpu {beat['gpu']} {beat['gpu_uuid']} share {beat['memory_share']} | context "
+              f"{beat['plan_context_bytes']} weights {beat['plan_weights_bytes']} fixed {beat['plan_fixed_bytes']} "
+              f"per_token {beat['plan_per_token_bytes']} | planned batch {beat['plan_batch_size']} items / "
+              f"{beat['plan_batch_tokens']} tokens | peak allocated {peak} vs budget {budget} "
+              f"({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
+              f"batch_splits {beat['batch_splits']} adaptive_batch_cap {beat['adaptive_batch_cap']}")
     sys.exit(1 if lost else 0)
+
+
+def shares_add_up(url: str, model: str, expected: int) -> None:
+    """Workers sharing one GPU: `expected` of them live, no OOM, and their budgets add up to at
+    most the watermark x the GPU's total (each heartbeat's mem_budget_bytes, mem_total_bytes).
+    Exits 1 otherwise."""
+    import httpx
+
+    workers = httpx.get(f"{url}/v1/models/{model}", timeout=10).json()["workers"]
+    budgets = sum(int(b["mem_budget_bytes"]) for b in workers.values())
+    total = max((int(b["mem_total_bytes"]) for b in workers.values()), default=0)
+    ooms = sum(int(b["oom_events"]) for b in workers.values())
+    ok = len(workers) == expected and ooms == 0 and budgets <= WATERMARK * total
+    print(f"{len(workers)} of {expected} workers on one GPU: budgets add up to {budgets} bytes of "
+          f"{WATERMARK} x {total} = {WATERMARK * total:.0f}; OOM events {ooms} -> {'OK' if ok else 'FAILED'}")
+    sys.exit(0 if ok else 1)
 
 
 def main() -> None:
@@ -112,6 +136,10 @@ def main() -> None:
     load.add_argument("--url", required=True)
     load.add_argument("--model", default="minilm")
     load.add_argument("-n", type=int, default=500)
+    shares = sub.add_parser("shares")  # after `load` on a stack of several workers on one GPU
+    shares.add_argument("--url", required=True)
+    shares.add_argument("--model", default="minilm")
+    shares.add_argument("--workers", type=int, required=True)
     args = parser.parse_args()
     if args.command == "resnet":
         from worker.profile import render_table
@@ -119,6 +147,8 @@ def main() -> None:
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))
         print(json.dumps(result))
+    elif args.command == "shares":
+        shares_add_up(args.url, args.model, args.workers)
     else:
         asyncio.run(fire(args.url, args.model, args.n))
 

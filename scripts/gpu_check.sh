@@ -6,7 +6,10 @@
 #   2. the stack (deploy/up.py under supervisor) with one minilm worker at a deliberately small
 #      memory fraction: by default the watermark that fits baseline + weights + fixed + 8 texts of
 #      256 tokens (from 1a's plan), so the budget binds; 500 concurrent requests, one in 8 at the
-#      model's maximum length, then: peak allocated vs budget, OOM count, requests lost (must be 0).
+#      model's maximum length, then: peak allocated vs budget, OOM count, requests lost (must be 0);
+#   3. the stack with two minilm workers on GPU 0 (make up GPUS=0 WORKERS_PER_GPU=2): each pinned
+#      by CUDA_VISIBLE_DEVICES with half the watermark; 500 concurrent requests, then: their budgets
+#      add up to at most watermark x total, no OOM event, no request lost.
 # Usage: scripts/gpu_check.sh   (PYTHON=..., WATERMARK=..., PORT=8765, REDIS_PORT=6391 override)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,19 +34,38 @@ timeout 120 "$PY" -m worker.profile --model minilm --device cuda --json --total-
 echo "== 1b. ResNet-50 fp16 (torchvision, random weights)"
 timeout 180 "$PY" scripts/gpu_check.py resnet
 
-echo "== 2. stack: 1 minilm worker at watermark $WATERMARK, 500 concurrent requests"
-RUN_LOG=$(mktemp)
-VRAMGUARD_PORT=$PORT VRAMGUARD_REDIS_PORT=$REDIS_PORT VRAMGUARD_DEVICE=cuda VRAMGUARD_WATERMARK=$WATERMARK \
-VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS=10 \
-    "$PY" deploy/up.py --model minilm --workers 1 >"$RUN_LOG" 2>&1 &
-UP_PID=$!
-trap 'kill -TERM $UP_PID 2>/dev/null || true; wait $UP_PID 2>/dev/null || true' EXIT
-for _ in $(seq 1 180); do
-    grep -q "vramguard is ready" "$RUN_LOG" && break
-    kill -0 $UP_PID 2>/dev/null || { cat "$RUN_LOG"; tail -n 30 .run/worker-*.log; exit 1; }
-    sleep 1
-done
-grep -q "vramguard is ready" "$RUN_LOG" || { echo "stack not ready"; tail -n 30 .run/worker-*.log; exit 1; }
-grep -h '"memory plan"' .run/worker-*.log | tail -n 1 || true
+# run_stack LABEL ENV... -- UP_ARGS...: start deploy/up.py with ENV, wait for readiness, leave it
+# running (UP_PID); its logs are in .run/$PORT/.
+run_stack() {
+    local label=$1; shift
+    local envs=()
+    while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
+    echo "== $label"
+    RUN_LOG=$(mktemp)
+    env VRAMGUARD_PORT=$PORT VRAMGUARD_REDIS_PORT=$REDIS_PORT VRAMGUARD_DEVICE=cuda \
+        VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS=10 "${envs[@]}" "$PY" deploy/up.py "$@" >"$RUN_LOG" 2>&1 &
+    UP_PID=$!
+    for _ in $(seq 1 180); do
+        grep -q "vramguard is ready" "$RUN_LOG" && break
+        kill -0 $UP_PID 2>/dev/null || { cat "$RUN_LOG"; tail -n 30 .run/$PORT/worker-*.log; exit 1; }
+        sleep 1
+    done
+    grep -q "vramguard is ready" "$RUN_LOG" || { echo "stack not ready"; tail -n 30 .run/$PORT/worker-*.log; exit 1; }
+    grep "^up: worker-" "$RUN_LOG" || true
+    grep -h '"memory plan"' .run/$PORT/worker-*.log | tail -n 2 || true
+}
+stop_stack() { kill -TERM $UP_PID 2>/dev/null || true; wait $UP_PID 2>/dev/null || true; }
+trap stop_stack EXIT
+
+run_stack "2. stack: 1 minilm worker at watermark $WATERMARK, 500 concurrent requests" \
+    VRAMGUARD_WATERMARK=$WATERMARK -- --model minilm --gpus 0 --workers-per-gpu 1
 timeout 240 "$PY" scripts/gpu_check.py load --url "http://127.0.0.1:$PORT" --model minilm -n 500
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
+stop_stack
+
+run_stack "3. stack: 2 minilm workers on GPU 0 (WORKERS_PER_GPU=2), 500 concurrent requests" \
+    VRAMGUARD_WATERMARK=0.8 -- --model minilm --gpus 0 --workers-per-gpu 2
+timeout 240 "$PY" scripts/gpu_check.py load --url "http://127.0.0.1:$PORT" --model minilm -n 500
+"$PY" scripts/gpu_check.py shares --url "http://127.0.0.1:$PORT" --model minilm --workers 2
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv || true
+stop_stack

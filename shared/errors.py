@@ -6,6 +6,8 @@
     ├── ModelNotFoundError         404 model_not_found
     ├── PayloadTooLargeError       413 payload_too_large
     ├── InputTooLargeError         413 input_too_large
+    ├── InputTooLongError          413 input_too_long     (past the model's token window)
+    ├── UnsupportedMediaTypeError  415 unsupported_media_type
     ├── QueueFullError             429 queue_full         (carries retry_after_s)
     ├── ModelError                 500 model_error
     ├── UnavailableError           503 unavailable
@@ -23,10 +25,13 @@ class VramguardError(Exception):
     code: str = "internal"
     http_status: int = 500
 
-    def __init__(self, message: str, *, request_id: str | None = None) -> None:
+    def __init__(self, message: str, *, request_id: str | None = None, detail: str | None = None) -> None:
+        """`message` is sent to the client; `detail` (hostnames, addresses, a library's exception
+        text) only goes to the request's log line."""
         super().__init__(message)
         self.message = message
         self.request_id = request_id
+        self.detail = detail
 
 
 class InvalidInputError(VramguardError):
@@ -58,14 +63,31 @@ class InputTooLargeError(VramguardError):
     http_status = 413
 
 
+class InputTooLongError(InvalidInputError):
+    """A text input longer than the model's token window, and the request did not opt into
+    truncation. An InvalidInputError, so a worker answers it per request like other bad inputs."""
+
+    code = "input_too_long"
+    http_status = 413
+
+
+class UnsupportedMediaTypeError(VramguardError):
+    """A body in a Content-Type or Content-Encoding the route does not take."""
+
+    code = "unsupported_media_type"
+    http_status = 415
+
+
 class QueueFullError(VramguardError):
     """The model's queued + in-flight entries are over `queue_bound`; nothing was enqueued."""
 
     code = "queue_full"
     http_status = 429
 
-    def __init__(self, message: str, *, retry_after_s: int = 1, request_id: str | None = None) -> None:
-        super().__init__(message, request_id=request_id)
+    def __init__(
+        self, message: str, *, retry_after_s: int = 1, request_id: str | None = None, detail: str | None = None
+    ) -> None:
+        super().__init__(message, request_id=request_id, detail=detail)
         self.retry_after_s = retry_after_s
 
 
@@ -105,6 +127,8 @@ _BY_CODE: dict[str, type[VramguardError]] = {
         ModelNotFoundError,
         PayloadTooLargeError,
         InputTooLargeError,
+        InputTooLongError,
+        UnsupportedMediaTypeError,
         QueueFullError,
         ModelError,
         UnavailableError,

@@ -1,13 +1,18 @@
 """Every Redis key and the consumer group name, in one place (../shared/DESIGN.md "Shape").
 
-    <prefix>:req:<model>        request stream, consumer group `workers`
-    <prefix>:rep:<gateway_id>   reply stream of one gateway process
-    <prefix>:dlq:<model>        dead-letter stream
-    <prefix>:hb:<worker_id>     heartbeat hash (with a TTL)
-    <prefix>:workers:<model>    sorted set worker_id -> last heartbeat (epoch ms)
-    <prefix>:adm:<model>:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
-    <prefix>:claim:<model>:<worker_id>  the worker's last claim, for a re-sent claim (short TTL)
-    <prefix>:exec:<model>       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
+    <prefix>:req:{<model>}        request stream, consumer group `workers`
+    <prefix>:rep:{<gateway_id>}   reply stream of one gateway process
+    <prefix>:dlq:{<model>}        dead-letter stream
+    <prefix>:hb:{<worker_id>}     heartbeat hash (with a TTL)
+    <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
+    <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
+    <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
+    <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
+
+The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
+one model's keys share a slot (the dead-letter MULTI touches its request and dead-letter streams
+together) while different models and gateways spread over the primaries. No script or MULTI
+touches a model's keys and a gateway's or worker's keys together (README "Redis Cluster").
 """
 
 from __future__ import annotations
@@ -24,25 +29,32 @@ class Keys:
     prefix: str = "vramguard"
 
     def request_stream(self, model: str) -> str:
-        return f"{self.prefix}:req:{model}"
+        return f"{self.prefix}:req:{{{model}}}"
 
     def reply_stream(self, gateway_id: str) -> str:
-        return f"{self.prefix}:rep:{gateway_id}"
+        return f"{self.prefix}:rep:{{{gateway_id}}}"
 
     def dead_letter_stream(self, model: str) -> str:
-        return f"{self.prefix}:dlq:{model}"
+        return f"{self.prefix}:dlq:{{{model}}}"
 
     def heartbeat(self, worker_id: str) -> str:
-        return f"{self.prefix}:hb:{worker_id}"
+        return f"{self.prefix}:hb:{{{worker_id}}}"
 
     def worker_index(self, model: str) -> str:
-        return f"{self.prefix}:workers:{model}"
+        return f"{self.prefix}:workers:{{{model}}}"
 
     def admission(self, model: str, request_id: str) -> str:
-        return f"{self.prefix}:adm:{model}:{request_id}"
+        return f"{self.prefix}:adm:{{{model}}}:{request_id}"
 
     def claim_record(self, model: str, worker_id: str) -> str:
-        return f"{self.prefix}:claim:{model}:{worker_id}"
+        return f"{self.prefix}:claim:{{{model}}}:{worker_id}"
 
     def executions(self, model: str) -> str:
-        return f"{self.prefix}:exec:{model}"
+        return f"{self.prefix}:exec:{{{model}}}"
+
+
+def hash_tag(key: str) -> str:
+    """The part of `key` Redis Cluster hashes: the text inside the first {...}, else the whole key."""
+    start = key.find("{")
+    end = key.find("}", start + 1)
+    return key[start + 1 : end] if start != -1 and end > start + 1 else key

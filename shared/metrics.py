@@ -1,4 +1,4 @@
-"""Metric names, labels, buckets and units (issue 5), and the one place where the heartbeat's
+"""Metric names, labels, buckets and units, and the one place where the heartbeat's
 units (ms, percent) become Prometheus base units (seconds, ratios; bytes stay bytes).
 
 Workers report through their heartbeat hash (worker/heartbeat.py); the gateway turns each live
@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass
 from typing import Literal
 
+from shared.heartbeat import WorkerBeat, beat_field_names
+
 PREFIX = "vramguard_"
 
-# Labels. Worker series carry all three; gateway series carry `model` (and `outcome`).
-MODEL, WORKER, DEVICE, OUTCOME = "model", "worker", "device", "outcome"
-WORKER_LABELS = (MODEL, WORKER, DEVICE)
+# Labels. Worker series carry the four of WORKER_LABELS (`gpu`: the worker's CUDA_VISIBLE_DEVICES,
+# "" when unpinned); gateway series carry `model` (and `outcome`).
+MODEL, WORKER, DEVICE, GPU, OUTCOME = "model", "worker", "device", "gpu", "outcome"
+WORKER_LABELS = (MODEL, WORKER, DEVICE, GPU)
 
 # --- gateway-side series ---
 REQUESTS = PREFIX + "requests"  # counter; rendered as vramguard_requests_total
@@ -43,7 +45,6 @@ QUEUE_DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5
 FORWARD_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
-HISTOGRAM_FIELD = "histograms"  # heartbeat field: JSON {short name: HistogramSnapshot.to_dict()}
 HISTOGRAMS = {  # short name in the heartbeat -> (metric name, help)
     "batch_size": (BATCH_SIZE, "Items per batch formed by the worker."),
     "queue_delay_seconds": (QUEUE_DELAY, "Time from enqueue to batch start, per request."),
@@ -91,7 +92,7 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
                 "Batch tasks that raised unexpectedly; their requests got 500 internal."),
     FieldMetric("gpu_utilization_percent", PREFIX + "worker_gpu_utilization_ratio", "gauge",
                 "GPU busy fraction from NVML (CUDA workers only).", 0.01),
-    # Memory fields, published by the memory budget (issue 3) where present.
+    # Memory fields, published by the memory budget where present.
     FieldMetric("mem_total_bytes", PREFIX + "worker_memory_total_bytes", "gauge", "Device memory in total."),
     FieldMetric("mem_allocated_bytes", PREFIX + "worker_memory_allocated_bytes", "gauge", "Memory allocated now."),
     FieldMetric("mem_reserved_bytes", PREFIX + "worker_memory_reserved_bytes", "gauge", "Memory the allocator holds."),
@@ -99,39 +100,22 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
     FieldMetric("mem_budget_bytes", PREFIX + "worker_memory_budget_bytes", "gauge", "This worker's memory budget."),
     FieldMetric("oom_events", PREFIX + "worker_oom_events", "counter", "Out-of-memory errors caught."),
     FieldMetric("batch_splits", PREFIX + "worker_batch_splits", "counter", "Batches split to fit the budget."),
-    FieldMetric("adaptive_cap", PREFIX + "worker_adaptive_batch_cap", "gauge", "Current adaptive batch-size cap."),
+    FieldMetric("adaptive_batch_cap", PREFIX + "worker_adaptive_batch_cap", "gauge",
+                "Items per forward now, after OOMs (at most the planned batch size)."),
+    FieldMetric("memory_share", PREFIX + "worker_memory_share_ratio", "gauge",
+                "This worker's fraction of its device's total memory."),
 )
 
-_PLAN_FIELD = re.compile(r"^plan_[a-z0-9_]{1,60}$")
+def plan_field_metrics() -> tuple[FieldMetric, ...]:
+    """One gauge per memory-plan field of the heartbeat schema (`plan_*`): `plan_x_bytes` becomes
+    `vramguard_worker_plan_x_bytes`."""
+    return tuple(FieldMetric(name, f"{PREFIX}worker_{name}", "gauge", "Memory plan value (measured at start).")
+                 for name in beat_field_names() if name.startswith("plan_"))
 
 
-def plan_field_metric(field: str) -> FieldMetric | None:
-    """The series for a memory-plan field (`plan_*`, issue 3), or None for a malformed name.
-
-    `plan_x_ms` becomes `vramguard_worker_plan_x_seconds`; other names keep their unit suffix.
-    """
-    if not _PLAN_FIELD.match(field):
-        return None
-    if field.endswith("_ms"):
-        return FieldMetric(field, f"{PREFIX}worker_{field[:-3]}_seconds", "gauge", "Memory plan value.", 1e-3)
-    return FieldMetric(field, f"{PREFIX}worker_{field}", "gauge", "Memory plan value.")
-
-
-def parse_number(value: str | None) -> float | None:
-    """A heartbeat field as a finite float, or None when absent or not a number."""
-    if value is None:
-        return None
-    try:
-        number = float(value)
-    except ValueError:
-        return None
-    return number if math.isfinite(number) else None
-
-
-def device_label(beat: dict[str, str]) -> str:
-    """The `device` label of a worker: its `device_kind` (cuda|cpu|sim) when published,
-    else the kind part of its torch device ("cuda:0" -> "cuda")."""
-    return beat.get("device_kind") or beat.get("device", "unknown").split(":", 1)[0]
+def worker_label_values(beat: WorkerBeat) -> list[str]:
+    """The WORKER_LABELS values of one worker's series."""
+    return [beat.model, beat.worker_id, beat.device_label, beat.gpu]
 
 
 @dataclass(frozen=True, slots=True)

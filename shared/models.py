@@ -5,6 +5,7 @@ worker maps the same names to implementations in worker/models/."""
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -64,8 +65,38 @@ class ModelOverrides(BaseModel):
     params: dict[str, float] | None = None
 
 
+class TensorSpec(BaseModel):
+    """One input or output tensor as the KServe v2 protocol describes it (GET /v2/models/{model}).
+
+    datatype: a v2 datatype ("BYTES", "FP32", "INT64", ...). shape: -1 marks a variable
+    dimension; the first one is the batch (one row per input of the request).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+
+
+class ParameterSpec(BaseModel):
+    """One request parameter a model declares (`parameters` on every route); anything else is 422."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: Literal["boolean", "integer", "number", "string"]
+    description: str
+
+
 class ModelSpec(BaseModel):
-    """One catalogue entry: what the model is, what it takes, what it returns."""
+    """One catalogue entry: what the model is, what it takes, what it returns.
+
+    inputs, outputs: the tensors of the KServe v2 view of the model (one input, one output today).
+    parameters: the request parameters the model understands, by name.
+    max_input_tokens: the model's token window for text inputs (the input-length policy: longer
+        inputs get 413 input_too_long unless the request opts into truncation); None when inputs
+        are not text.
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -74,6 +105,26 @@ class ModelSpec(BaseModel):
     input_kind: InputKind
     output: str
     defaults: ModelConfig
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
+    max_input_tokens: int | None = None
+
+    @property
+    def max_input_chars(self) -> int | None:
+        """The longest text input worth tokenizing: max_input_tokens * MAX_CHARS_PER_TOKEN (None: no window)."""
+        return None if self.max_input_tokens is None else self.max_input_tokens * MAX_CHARS_PER_TOKEN
+
+
+# The most characters one token may span, for bounding tokenizing work before it starts: BERT's
+# WordPiece reads words of up to 100 characters (longer ones are one [UNK]); typical text is 4-5.
+MAX_CHARS_PER_TOKEN = 100
+
+
+TRUNCATE = ParameterSpec(
+    type="boolean",
+    description="cut an input longer than the model's token window to the window instead of answering 413",
+)
 
 
 CATALOGUE: dict[str, ModelSpec] = {
@@ -85,6 +136,10 @@ CATALOGUE: dict[str, ModelSpec] = {
             input_kind=InputKind.TEXT,
             output="L2-normalised embedding, float32[384] per input",
             defaults=ModelConfig(max_batch_size=32, max_wait_ms=5.0),
+            inputs=(TensorSpec(name="text", datatype="BYTES", shape=(-1,)),),
+            outputs=(TensorSpec(name="embedding", datatype="FP32", shape=(-1, 384)),),
+            parameters={"truncate": TRUNCATE},
+            max_input_tokens=256,
         ),
         ModelSpec(
             name="synthetic",
@@ -96,6 +151,10 @@ CATALOGUE: dict[str, ModelSpec] = {
             input_kind=InputKind.JSON,
             output="the input itself",
             defaults=ModelConfig(max_batch_size=64, max_wait_ms=5.0, params={"batch_ms": 2.0, "item_ms": 0.1}),
+            # v2 view: each row is one number (JSON inputs of other forms need the native route).
+            inputs=(TensorSpec(name="input", datatype="FP64", shape=(-1,)),),
+            outputs=(TensorSpec(name="output", datatype="FP64", shape=(-1,)),),
+            parameters={"tag": ParameterSpec(type="string", description="ignored; echoed nowhere (tests)")},
         ),
     )
 }

@@ -138,7 +138,8 @@ class ReplyMessage:
     """A worker's answer to one request: `outputs` (one value per input) or an error.
 
     `error_code` is one of shared.errors' codes; `batch_size` is the number of items in the
-    forward that served it; `queue_delay_ms` is enqueue to batch start.
+    forward that served it; `queue_delay_ms` is enqueue to batch start; `cost` is the sum of the
+    request's item costs in the model's unit (tokens for text: the usage the OpenAI route reports).
     """
 
     request_id: RequestId
@@ -148,6 +149,7 @@ class ReplyMessage:
     worker_id: str = ""
     batch_size: int = 0
     queue_delay_ms: float = 0.0
+    cost: int = 0
 
     @property
     def ok(self) -> bool:
@@ -164,6 +166,7 @@ class ReplyMessage:
                 "worker_id": self.worker_id,
                 "batch_size": self.batch_size,
                 "queue_delay_ms": self.queue_delay_ms,
+                "cost": self.cost,
             }
         )
 
@@ -182,6 +185,7 @@ class ReplyMessage:
             worker_id=str(d.get("worker_id", "")),
             batch_size=int(d.get("batch_size", 0)),
             queue_delay_ms=float(d.get("queue_delay_ms", 0.0)),
+            cost=int(d.get("cost", 0)),
         )
 
     @classmethod

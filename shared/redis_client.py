@@ -1,38 +1,80 @@
-"""Redis connections for both services, built from Settings in one place.
+"""Redis connections for both services, built from Settings in one place: a plain URL, a
+Sentinel-managed primary (`redis_sentinels`), or a Redis Cluster (`redis_cluster`).
 
-Two kinds: a pooled client for short commands, and a dedicated client per blocking reader
+Two kinds of client: a pooled one for short commands, and a dedicated one per blocking reader
 (XREAD/XREADGROUP with BLOCK) whose socket timeout exceeds the block time, so a blocked read
 never shares, or poisons, a pooled connection (redis-py asyncio guidance).
+
+Failover (README "Redis that survives losing a node"): a connection error, a timeout and
+READONLY (a primary demoted to a replica answers writes so) all drop the connection and retry
+on a fresh one; under Sentinel the fresh one asks the sentinels for the current primary, under
+Cluster redis-py follows MOVED and refreshes the slot map. No other module builds a client.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any, cast
+from urllib.parse import urlsplit
+
 import redis.asyncio as aioredis
 from redis.asyncio import BlockingConnectionPool
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from shared.settings import Settings
 
+log = logging.getLogger(__name__)
+
 # Short commands: give up fast so that a request never hangs on a dead Redis (issue 4).
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
-POOL_MAX_CONNECTIONS = 64  # per process; more concurrent commands wait for a free connection
-RETRIES = 2
+POOL_MAX_CONNECTIONS = 64  # per process (per node under Cluster); more concurrent commands wait
+# Retries span a Sentinel failover's promotion gap (down-after-milliseconds + election): the
+# jittered backoff caps at 0.5 s, so 6 tries wait up to ~2 s before the error reaches the client.
+RETRIES = 6
 BACKOFF_CAP_S = 0.5
 # The longest a command can still be re-sent after it first reached Redis: every attempt may
 # wait out its timeout, then back off. A command that must not run twice keeps a record of its
-# first run at least this long (the admission and claim scripts), so a retry finds it.
+# first run at least this long (the admission and claim scripts), so a re-sent copy finds it.
 RETRY_WINDOW_S = (RETRIES + 1) * (COMMAND_TIMEOUT_S + CONNECT_TIMEOUT_S) + RETRIES * BACKOFF_CAP_S
+# Policies under which Redis may delete vramguard's keys when it reaches maxmemory.
+SAFE_POLICY = "noeviction"
 
 
-def _retry() -> Retry:
-    # Transient drops (a restarting Redis) are retried twice with jittered backoff by redis-py
-    # itself. A retried command may already have run (its reply was lost): every command sent
-    # through this client is idempotent or carries its own record of a first run.
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=RETRIES)
+class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's primary lookup with the blocking pool's wait-for-a-free-connection (issue 4):
+    SentinelConnectionPool passes its kwargs (max_connections, timeout) on to BlockingConnectionPool."""
+
+
+def _retry(retries: int = RETRIES) -> Retry:
+    # A re-sent command may already have run (its reply was lost): every command sent through
+    # these clients is idempotent or carries its own record of a first run.
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=retries)
+
+
+def _retry_on() -> list[type[RedisError]]:
+    # READONLY: we are talking to a demoted primary; the retry reconnects (and, under Sentinel,
+    # rediscovers the primary) instead of failing every write until the process restarts.
+    return [RedisConnectionError, RedisTimeoutError, ReadOnlyError]
+
+
+def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
+    """A Sentinel manager for settings.redis_sentinels; the primary's password and db come from redis_url."""
+    url = urlsplit(settings.redis_url)
+    db = int(url.path.lstrip("/") or 0)
+    sentinels = [(host, int(port)) for host, _, port in (a.rpartition(":") for a in settings.redis_sentinels)]
+    password = settings.redis_sentinel_password.get_secret_value() if settings.redis_sentinel_password else None
+    sentinel_kwargs = {"socket_timeout": CONNECT_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+                       "password": password}
+    return Sentinel(  # type: ignore[no-untyped-call]
+        sentinels, sentinel_kwargs=sentinel_kwargs, username=url.username, password=url.password,
+                    db=db, **client_kwargs)
 
 
 def connect(settings: Settings) -> aioredis.Redis:
@@ -40,29 +82,93 @@ def connect(settings: Settings) -> aioredis.Redis:
 
     The pool blocks (up to COMMAND_TIMEOUT_S) when all POOL_MAX_CONNECTIONS are busy, instead of
     redis-py's default pool raising "Too many connections" at 100 concurrent requests (issue 4).
+    Under Cluster the result is a RedisCluster: it has the same command methods, and the key
+    layout (shared/keys.py) keeps every script and MULTI inside one hash slot.
     """
+    common: dict[str, Any] = {
+        "socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "retry": _retry(), "retry_on_error": _retry_on(), "health_check_interval": 10,
+    }
+    if settings.redis_cluster:
+        common.pop("health_check_interval")
+        cluster = RedisCluster.from_url(settings.redis_url, max_connections=POOL_MAX_CONNECTIONS, **common)
+        return cast(aioredis.Redis, cluster)
+    if settings.redis_sentinels:
+        return cast(aioredis.Redis, _sentinel(settings).master_for(
+            settings.redis_sentinel_master, connection_pool_class=BlockingSentinelConnectionPool,
+            max_connections=POOL_MAX_CONNECTIONS, timeout=COMMAND_TIMEOUT_S, **common,
+        ))
     pool = BlockingConnectionPool.from_url(
-        settings.redis_url,
-        max_connections=POOL_MAX_CONNECTIONS,
-        timeout=COMMAND_TIMEOUT_S,
-        socket_timeout=COMMAND_TIMEOUT_S,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        retry=_retry(),
-        retry_on_error=[RedisConnectionError, RedisTimeoutError],
-        health_check_interval=10,
+        settings.redis_url, max_connections=POOL_MAX_CONNECTIONS, timeout=COMMAND_TIMEOUT_S, **common
     )
     return aioredis.Redis.from_pool(pool)
 
 
 def connect_blocking(settings: Settings) -> aioredis.Redis:
-    """A client with one connection for one blocking reader; its socket timeout is BLOCK + 5 s."""
-    return aioredis.Redis.from_url(
-        settings.redis_url,
-        socket_timeout=settings.block_ms / 1000 + 5.0,
-        socket_connect_timeout=CONNECT_TIMEOUT_S,
-        max_connections=1,
-        health_check_interval=10,
-    )
+    """A client with one connection for one blocking reader; its socket timeout is BLOCK + 5 s.
+    Its errors reach the reader's own retry loop (which backs off and reads again)."""
+    common: dict[str, Any] = {
+        "socket_timeout": settings.block_ms / 1000 + 5.0, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "retry": _retry(2), "retry_on_error": _retry_on(),
+    }
+    if settings.redis_cluster:
+        return cast(aioredis.Redis, RedisCluster.from_url(settings.redis_url, max_connections=4, **common))
+    if settings.redis_sentinels:
+        return cast(aioredis.Redis, _sentinel(settings).master_for(
+            settings.redis_sentinel_master, max_connections=1, health_check_interval=10, **common
+        ))
+    return aioredis.Redis.from_url(settings.redis_url, max_connections=1, health_check_interval=10, **common)
+
+
+async def check_eviction_policy(redis: aioredis.Redis, settings: Settings) -> str | None:
+    """Warn (or, with redis_eviction_check=refuse, raise RuntimeError) when Redis may evict keys.
+
+    Under any maxmemory-policy but `noeviction`, a Redis at maxmemory deletes keys to make room:
+    a queued request, a pending entry or a reply stream vanishes and its client sees a lost
+    request instead of a clear 503 (README "Redis settings"). Returns the problem found, or None.
+    A Redis that forbids CONFIG (some managed services) is reported, not refused.
+    """
+    if settings.redis_eviction_check == "off":
+        return None
+    try:
+        reply = cast(dict[Any, Any], await redis.config_get("maxmemory-policy"))
+    except ResponseError as exc:
+        log.warning("cannot read maxmemory-policy; make sure it is noeviction", extra={"error": str(exc)})
+        return None
+    policy = _text(next(iter(reply.values()), SAFE_POLICY))
+    if policy == SAFE_POLICY:
+        return None
+    problem = (f"Redis maxmemory-policy is {policy!r}: at maxmemory Redis will evict vramguard's queued "
+               f"requests and reply streams; set maxmemory-policy noeviction")
+    if settings.redis_eviction_check == "refuse":
+        raise RuntimeError(problem)
+    log.error(problem)
+    return problem
+
+
+async def describe_data_loss(redis: aioredis.Redis) -> str:
+    """Why a key we wrote is gone: eviction (INFO evicted_keys > 0) or a restart/flush. Never raises."""
+    try:
+        stats = await redis.info("stats")
+        evicted = int(stats.get("evicted_keys", 0))
+    except (RedisError, ValueError, TypeError):
+        evicted = 0
+    if evicted:
+        return (f"Redis evicted keys at maxmemory ({evicted} so far; its maxmemory-policy is not noeviction) "
+                f"and lost the request; retry")
+    return "Redis lost the request (it restarted); retry"
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """True for Redis' OOM refusal (maxmemory reached under noeviction): redis-py's OutOfMemoryError
+    for a plain command, a ResponseError quoting "-OOM" when a script's write was refused."""
+    if isinstance(exc, OutOfMemoryError):
+        return True
+    return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def find_redis_server() -> str | None:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.models import CATALOGUE, ModelConfig, ModelOverrides
@@ -38,6 +38,16 @@ class Settings(BaseSettings):
 
     # --- where things are ---
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # --- Redis topology (shared/redis_client.py): a plain URL, Sentinel, or Cluster ---
+    # Sentinel: host:port of each sentinel, comma-separated; the primary named redis_sentinel_master is
+    # looked up through them (redis_url then only gives the password and db number).
+    redis_sentinels: Annotated[list[str], NoDecode] = []
+    redis_sentinel_master: str = "vramguard"
+    redis_sentinel_password: SecretStr | None = None  # when the sentinels themselves require AUTH
+    # Cluster: redis_url names any one node; the client discovers the rest and follows MOVED.
+    redis_cluster: bool = False
+    # Start-up check of maxmemory-policy: "warn" logs loudly when Redis may evict our keys, "refuse" exits.
+    redis_eviction_check: Literal["warn", "refuse", "off"] = "warn"
     key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
@@ -63,11 +73,21 @@ class Settings(BaseSettings):
     access_log: bool = False
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    # The HTTP server's limits against slow or hostile clients (gateway/server.py). Keep-alive:
+    # longer than the idle timeout of the pools and load balancers in front (ALB 60 s, nginx 60 s,
+    # aiohttp 15 s, httpx 5 s), so the client side always closes an idle connection first and never
+    # sends a request on one the gateway is closing.
+    http_keep_alive_s: int = Field(75, ge=1, le=3600)
+    http_header_timeout_s: float = Field(10.0, gt=0, le=600)  # connection start (or first byte) to end of headers
+    http_body_timeout_s: float = Field(60.0, gt=0, le=3600)  # end of headers to end of body
+    http_max_connections: int = Field(1000, ge=1)  # open connections; past it a new one is closed at once
+    http_max_headers: int = Field(100, ge=1, le=10_000)  # header lines per request; past it 431
+    http_max_header_bytes: int = Field(16_384, ge=1024, le=1_048_576)  # request line + headers; past it 431
 
     # --- testing ---
     fault_injection: bool = False  # lets `synthetic` honour {"fault": ...} inputs (tests and demos only)
 
-    # --- observability (issue 5) ---
+    # --- observability ---
     # Worker watchdog: a probe forward on the backend's example inputs after this much idle time.
     probe_interval_s: float = Field(default=30.0, gt=0, le=3600)
     # Consecutive batches in which every item failed with model_error before the worker exits unhealthy.
@@ -75,19 +95,32 @@ class Settings(BaseSettings):
     # Tests and demos only (needs fault_injection): the probe sends {"fault": probe_fault} instead.
     probe_fault: Literal["none", "raise", "cuda_error"] = "none"
 
-    # --- memory budget (issue 3) ---
-    # The worker plans its batches from measured memory (worker/memory.py): the budget is
-    # watermark * total device memory / workers_per_gpu, and torch.cuda.set_per_process_memory_fraction
-    # hard-caps the process at that fraction.
+    # --- memory budget and placement ---
+    # The worker plans its batches from measured memory (worker/memory.py): its budget is its
+    # share of the device, memory_share x total device memory, and
+    # torch.cuda.set_per_process_memory_fraction hard-caps the process at that share. The shares
+    # of the workers on one device add up to at most the watermark (worker/ledger.py checks it
+    # on each host; deploy/placement.py before anything starts).
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
-    workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device
+    workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device (all models)
+    # This worker's fraction of the device's total memory; unset: watermark / workers_per_gpu.
+    memory_share: float | None = Field(None, gt=0, le=1)
+    # The one GPU this worker uses (an index or a GPU UUID), as the CUDA runtime reads it. On
+    # device=sim it names the simulated GPU: processes with the same value share one device.
+    cuda_visible_devices: str | None = Field(
+        None, validation_alias=AliasChoices("CUDA_VISIBLE_DEVICES", "cuda_visible_devices")
+    )
+    sim_gpus: int = Field(0, ge=0, le=64)  # `make up`: simulated GPUs the host has (0: look for real ones)
+    # Where workers on this host keep their per-device ledgers (registered shares; the simulated
+    # devices' memory). Unset: <tmp>/vramguard-devices. Processes that share a GPU must share it.
+    device_ledger_dir: str | None = None
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
     fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
     #                                           raises a CUDA error (one-shot, survives the restart it causes)
 
-    # --- delivery guarantees (issue 4) ---
+    # --- delivery guarantees ---
     # A pending entry idle longer than claim_idle_ms belongs to a dead worker and is reclaimed
     # (XAUTOCLAIM). Live workers refresh the idle time of the entries they hold every
     # reclaim_interval_ms, so claim_idle_ms only has to cover a few missed refreshes, not a batch.
@@ -98,12 +131,22 @@ class Settings(BaseSettings):
     # A consumer idle this long with no pending entries is a dead worker's; XGROUP DELCONSUMER removes it.
     consumer_idle_ms: int = Field(600_000, ge=1000)
 
-    @field_validator("served_models", mode="before")
+    @field_validator("served_models", "redis_sentinels", mode="before")
     @classmethod
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _check_redis(self) -> Settings:
+        if self.redis_sentinels and self.redis_cluster:
+            raise ValueError("redis_sentinels and redis_cluster exclude each other (Cluster fails over by itself)")
+        for address in self.redis_sentinels:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"redis_sentinels: {address!r} is not host:port")
+        return self
 
     @model_validator(mode="after")
     def _check(self) -> Settings:
@@ -114,6 +157,8 @@ class Settings(BaseSettings):
             raise ValueError("served_models is empty")
         if self.heartbeat_ttl_ms <= self.heartbeat_interval_ms:
             raise ValueError("heartbeat_ttl_ms must exceed heartbeat_interval_ms")
+        if self.memory_share is not None and self.memory_share > self.watermark:
+            raise ValueError(f"memory_share ({self.memory_share}) must not exceed the watermark ({self.watermark})")
         if self.probe_fault != "none" and not self.fault_injection:
             raise ValueError("probe_fault needs fault_injection=true (tests and demos only)")
         for name in self.models:
@@ -128,11 +173,19 @@ class Settings(BaseSettings):
                 raise ValueError(detail) from None
         return self
 
+    @field_validator("api_key")
+    @classmethod
+    def _key_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        # An empty key would turn authentication on with a key an empty header matches.
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError("is empty or whitespace; unset VRAMGUARD_API_KEY to serve without a key")
+        return value
+
     @model_validator(mode="after")
     def _check_delivery(self) -> Settings:
         # A live worker refreshes its entries every reclaim_interval_ms and beats every
         # heartbeat_interval_ms; claim_idle_ms must survive a few missed rounds of both, and the
-        # batch window, during which read entries are not yet refreshed (issue 4).
+        # batch window, during which read entries are not yet refreshed.
         window_ms = max((self.model_config_for(m).max_wait_ms for m in {self.model, *self.models}), default=0.0)
         floor_ms = 3 * max(self.reclaim_interval_ms, self.heartbeat_interval_ms) + window_ms
         if self.claim_idle_ms < floor_ms:
@@ -159,6 +212,12 @@ class Settings(BaseSettings):
         return ModelConfig.model_validate({**base.model_dump(), **changes})
 
     @property
+    def effective_memory_share(self) -> float:
+        """This worker's fraction of its device's total memory: `memory_share`, else the
+        watermark split evenly over `workers_per_gpu`."""
+        return self.memory_share if self.memory_share is not None else self.watermark / self.workers_per_gpu
+
+    @property
     def consumer_name(self) -> str:
         """The worker's consumer name in the group: `worker_name`, else host-pid."""
         return self.worker_name or f"{socket.gethostname()}-{os.getpid()}"
@@ -169,6 +228,8 @@ class Settings(BaseSettings):
         data = self.model_dump(mode="json")
         if self.api_key is not None:
             data["api_key"] = "***"
+        if self.redis_sentinel_password is not None:
+            data["redis_sentinel_password"] = "***"
         data["redis_url"] = mask_url_password(self.redis_url)
         return data
 

@@ -17,7 +17,7 @@ from tests.helpers import RedisServer, Stack
 
 MIN_REDIS = (6, 2)
 
-FOLDER_MARKS = {"unit": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
+FOLDER_MARKS = {"unit": "unit", "deploy": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,23 +1,28 @@
-"""Test helpers: wait_until, free ports, a real redis-server process, and real gateway and
-worker processes (`Stack`)."""
+"""Test helpers: wait_until, free ports, a real redis-server process, an in-process gateway
+(`gateway_with`), and real gateway and worker processes (`Stack`)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import platform
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import redis
 
+from deploy.placement import WorkerGroup
+from deploy.programs import SHIPPED_CONF, write_programs
 from shared.redis_client import find_redis_server
+from shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,6 +31,18 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@asynccontextmanager
+async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An httpx client bound to an in-process gateway built from `settings` (its lifespan run),
+    like the `gateway` fixture, for settings a test chooses."""
+    from gateway.app import create_app
+
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+            yield client
 
 
 async def wait_until(
@@ -114,8 +131,9 @@ class Stack:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def _spawn(self, module: str, name: str, **extra: object) -> subprocess.Popen[bytes]:
-        env = service_env(self.redis_url, **{**self.settings, **extra})
+    def _spawn(self, module: str, name: str, environ: dict[str, str] | None = None,
+               **extra: object) -> subprocess.Popen[bytes]:
+        env = {**service_env(self.redis_url, **{**self.settings, **extra}), **(environ or {})}
         log = open(self.log_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed in stop()
         self._log_files.append(log)
         return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -123,9 +141,11 @@ class Stack:
     def start_gateway(self, **extra: object) -> None:
         self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
 
-    def start_worker(self, **extra: object) -> subprocess.Popen[bytes]:
+    def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
+        """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
+        CUDA_VISIBLE_DEVICES) added to its environment."""
         index = len(self.workers)
-        proc = self._spawn("worker", f"worker-{index}", **{"worker_name": f"test-worker-{index}", **extra})
+        proc = self._spawn("worker", f"worker-{index}", environ, **{"worker_name": f"test-worker-{index}", **extra})
         self.workers.append(proc)
         return proc
 
@@ -165,43 +185,41 @@ class Stack:
             log.close()  # type: ignore[attr-defined]
 
 
-SUPERVISORD_CONF = """\
-[supervisord]
-nodaemon=true
-logfile={dir}/supervisord.log
-pidfile={dir}/supervisord.pid
-childlogdir={dir}
-
-[program:worker]
-command={python} -m worker
-directory={root}
-autorestart=unexpected
-exitcodes=0
-startsecs=0
-startretries=100
-stopsignal=TERM
-stopwaitsecs=20
-stopasgroup=true
-killasgroup=true
-stdout_logfile={dir}/worker.log
-redirect_stderr=true
-"""
-
-
 class SupervisedWorker:
-    """One `python -m worker` under a real supervisord, restarted on any non-zero exit as
-    deploy/supervisord.conf does; config and logs (supervisord.log, worker.log) in `folder`."""
+    """One `python -m worker` under a real supervisord running the shipped deploy/supervisord.conf
+    (no Redis, no gateway programs) with the worker program deploy/up.py would generate for one
+    worker of env's VRAMGUARD_MODEL on one device; run dir (supervisord.log, the worker's log,
+    the include, the control socket) is `folder`. The program's environment names the worker
+    (`worker_name`), as `make up` does."""
 
     def __init__(self, folder: Path, env: dict[str, str]) -> None:
         self.folder = folder
         self.env = env
+        self.group = WorkerGroup(model=env.get("VRAMGUARD_MODEL", "minilm"), gpu=None, workers=1,
+                                 workers_on_device=1, share=None)
         self.proc: subprocess.Popen[bytes] | None = None
 
+    @property
+    def process(self) -> str:
+        """supervisor's name of the worker process (in supervisord.log)."""
+        return f"{self.group.program}-0"
+
+    @property
+    def worker_name(self) -> str:
+        """The worker's consumer name (worker_id in /status.json)."""
+        return f"{platform.node()}-{self.group.model}-{self.group.device_label}-0"
+
+    @property
+    def worker_log(self) -> Path:
+        return self.folder / f"{self.process}.log"
+
     def start(self) -> None:
-        conf = self.folder / "supervisord.conf"
-        conf.write_text(SUPERVISORD_CONF.format(dir=self.folder, python=sys.executable, root=ROOT))
-        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(conf)],
-                                     env=self.env, cwd=self.folder,
+        write_programs(self.folder, [self.group])
+        env = {**self.env, "VG_RUN_DIR": str(self.folder), "VG_ROOT": str(ROOT), "VG_PYTHON": sys.executable,
+               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_REDIS_SERVER": "redis-server",
+               "VG_REDIS_PORT": "0"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)],
+                                     env=env, cwd=self.folder,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:

@@ -17,6 +17,11 @@ def main() -> int:
     except SettingsError as exc:
         print(f"vramguard worker: {exc}", file=sys.stderr)
         return 2
+    if settings.cuda_visible_devices and "," in settings.cuda_visible_devices:
+        # One process = one model on one device: its memory share is of one GPU.
+        print(f"vramguard worker: CUDA_VISIBLE_DEVICES={settings.cuda_visible_devices!r} names several GPUs; "
+              "pin each worker to one (make up and the compose file do)", file=sys.stderr)
+        return 2
     configure_logging(settings.log_level, "worker")
     from worker.runner import ExitCode, Worker  # after logging: torch and model imports log
 

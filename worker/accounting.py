@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Protocol
 
 from worker import simdevice
+from worker.ledger import DeviceLedger
 
 
 class MemoryAccounting(Protocol):
@@ -34,8 +35,12 @@ class MemoryAccounting(Protocol):
     def empty_cache(self) -> None:
         """Give cached, unused blocks back to the device (after an OOM)."""
 
-    def baseline_bytes(self) -> int:
-        """Memory the process holds on the device before any weights (the CUDA context)."""
+    def context_bytes(self) -> int:
+        """What this process itself holds on the device outside the allocator before any weights
+        (on CUDA its context), never what neighbouring processes hold."""
+
+    def device_uuid(self) -> str:
+        """The device's UUID ("GPU-..." on CUDA, "SIM-<gpu>" on sim, "" on the CPU)."""
 
     def limit_fraction(self, fraction: float) -> None:
         """Hard-cap this process at `fraction` of the device (no-op where the device has no such cap)."""
@@ -43,15 +48,24 @@ class MemoryAccounting(Protocol):
 
 class CudaAccounting:
     """torch.cuda's caching-allocator statistics
-    (https://pytorch.org/docs/stable/notes/cuda.html#memory-management)."""
+    (https://pytorch.org/docs/stable/notes/cuda.html#memory-management).
+
+    The CUDA context is measured when the accounting is created, before the process allocates
+    anything: NVML's device-used memory just before and just after this process initialises CUDA.
+    Neighbours that allocate in that instant would inflate it, so where NVML lists this process
+    (it does unless a container hides the host's PIDs) its own per-process figure wins.
+    """
 
     kind = "cuda"
 
-    def __init__(self) -> None:
+    def __init__(self, gpu: str | None = None) -> None:
         import torch
 
         self._cuda = torch.cuda
+        used_before = _nvml_used_bytes(gpu)
         self._cuda.init()  # type: ignore[no-untyped-call]
+        self._cuda.synchronize()
+        self._context = _measure_context(gpu, used_before, self.reserved_bytes())
 
     def total_bytes(self) -> int:
         return int(self._cuda.get_device_properties(self._cuda.current_device()).total_memory)
@@ -71,14 +85,58 @@ class CudaAccounting:
     def empty_cache(self) -> None:
         self._cuda.empty_cache()
 
-    def baseline_bytes(self) -> int:
-        """Device memory in use outside this process's allocator (cudaMemGetInfo): its CUDA context,
-        plus whatever neighbours hold at that moment, which makes the plan conservative."""
-        free, total = self._cuda.mem_get_info()
-        return max(0, int(total - free) - self.reserved_bytes())
+    def context_bytes(self) -> int:
+        return self._context
+
+    def device_uuid(self) -> str:
+        uuid = str(getattr(self._cuda.get_device_properties(self._cuda.current_device()), "uuid", ""))
+        return uuid if not uuid or uuid.startswith("GPU-") else f"GPU-{uuid}"
 
     def limit_fraction(self, fraction: float) -> None:
         self._cuda.set_per_process_memory_fraction(fraction)
+
+
+# A CUDA 12 context with cuBLAS loaded takes roughly 300-600 MiB (NVIDIA's "CUDA C++ Best
+# Practices Guide" on lazy loading gives the order of magnitude); used only when NVML is missing.
+CUDA_CONTEXT_FALLBACK_BYTES = 512 * 1024 * 1024
+
+
+def _nvml_handle(gpu: str | None):  # type: ignore[no-untyped-def]
+    """NVML's handle of the GPU this process uses (Settings.cuda_visible_devices: an index, in
+    the PCI order that `make up` asks CUDA for too, or a UUID). Raises where NVML is unavailable."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    visible = (gpu or "0").split(",")[0].strip()
+    if visible.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(visible)
+    return pynvml.nvmlDeviceGetHandleByIndex(int(visible or 0))
+
+
+def _nvml_used_bytes(gpu: str | None) -> int | None:
+    try:
+        import pynvml
+
+        return int(pynvml.nvmlDeviceGetMemoryInfo(_nvml_handle(gpu)).used)
+    except Exception:  # noqa: BLE001 - no NVML: fall back below
+        return None
+
+
+def _measure_context(gpu: str | None, used_before: int | None, reserved: int) -> int:
+    """This process's device memory outside the allocator: NVML's per-process figure, else the
+    device-used delta across CUDA initialisation, else CUDA_CONTEXT_FALLBACK_BYTES."""
+    try:
+        import pynvml
+
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(gpu)):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return max(0, int(proc.usedGpuMemory) - reserved)
+    except Exception:  # noqa: BLE001 - NVML missing or this PID hidden from it
+        pass
+    used_after = _nvml_used_bytes(gpu)
+    if used_before is not None and used_after is not None:
+        return max(0, used_after - used_before - reserved)
+    return CUDA_CONTEXT_FALLBACK_BYTES
 
 
 class CpuAccounting:
@@ -124,8 +182,12 @@ class CpuAccounting:
     def empty_cache(self) -> None:
         pass
 
-    def baseline_bytes(self) -> int:
+    def context_bytes(self) -> int:
+        """The resident set before any weights: the interpreter, torch and the libraries."""
         return self.allocated_bytes()
+
+    def device_uuid(self) -> str:
+        return ""
 
     def limit_fraction(self, fraction: float) -> None:
         pass  # the OS, not the process, caps CPU memory (cgroups)
@@ -136,8 +198,9 @@ class SimAccounting:
 
     kind = "sim"
 
-    def __init__(self, device: simdevice.SimDevice) -> None:
+    def __init__(self, device: simdevice.SimDevice, gpu: str) -> None:
         self.device = device
+        self.gpu = gpu
 
     def total_bytes(self) -> int:
         return self.device.total_bytes
@@ -157,23 +220,30 @@ class SimAccounting:
     def empty_cache(self) -> None:
         self.device.empty_cache()
 
-    def baseline_bytes(self) -> int:
-        return self.device.memory_reserved()
+    def context_bytes(self) -> int:
+        return 0  # the simulated device models no context
+
+    def device_uuid(self) -> str:
+        return f"SIM-{self.gpu}"
 
     def limit_fraction(self, fraction: float) -> None:
         self.device.set_per_process_memory_fraction(fraction)
 
 
-def open_accounting(device: str, sim_total_bytes: int) -> MemoryAccounting:
+def open_accounting(device: str, sim_total_bytes: int, gpu: str | None = None,
+                    ledger_folder: Path | None = None) -> MemoryAccounting:
     """The accounting for a resolved device string ("cuda", "cuda:0", "cpu", "sim").
 
     For "sim" this creates the process's simulated device of `sim_total_bytes` (so call it before
-    the backend loads its weights). Raises ValueError for another device.
+    the backend loads its weights): the simulated GPU `gpu` shared through its ledger in
+    `ledger_folder` when both are given, else a device of this process alone. Raises ValueError
+    for another device.
     """
     if device.startswith("cuda"):
-        return CudaAccounting()
+        return CudaAccounting(gpu)
     if device == "cpu":
         return CpuAccounting()
     if device == "sim":
-        return SimAccounting(simdevice.configure(sim_total_bytes))
+        ledger = DeviceLedger(ledger_folder, f"sim-{gpu}") if gpu and ledger_folder else None
+        return SimAccounting(simdevice.configure(sim_total_bytes, ledger), gpu or "0")
     raise ValueError(f"no memory accounting for device {device!r}")

@@ -7,7 +7,7 @@ into outputs, and outputs back into one wire value per item. The worker owns eve
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 
@@ -24,11 +24,12 @@ class ModelBackend(Protocol):
     def load(self) -> None:
         """Load weights onto `device`. Raises on missing weights (the worker then exits non-zero)."""
 
-    def decode(self, inputs: list[object]) -> list[object]:
-        """One request's wire inputs -> one item per input, validated on the CPU.
+    def decode(self, inputs: list[object], parameters: Mapping[str, object] | None = None) -> list[object]:
+        """One request's wire inputs -> one item per input, validated on the CPU. `parameters`:
+        the request's, already checked by the gateway against the catalogue's declaration.
 
-        Raises InvalidInputError for an input the model cannot take (the request gets 422,
-        the rest of the batch goes on).
+        Raises InvalidInputError for an input the model cannot take (the request gets 422, or its
+        subclass's status such as 413 input_too_long; the rest of the batch goes on).
         """
 
     def item_cost(self, item: object) -> int:

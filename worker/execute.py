@@ -6,6 +6,8 @@ Failures stay as small as they can be (DESIGN.md "Memory"):
   `model_error`;
 - `torch.cuda.OutOfMemoryError`: free the allocator cache, lower the adaptive cap, split the
   chunk in halves and retry each; an item that OOMs alone gets 413 `input_too_large`;
+- a chunk the soft guard finds too large for the budget, even with no other forward running,
+  is split the same way before any forward (with concurrent forwards it first waits for room);
 - any other CUDA error, or OOM that persists (a one-item probe that fit at warmup OOMs too):
   `CudaContextLost`, and the worker exits without acking (runner.py).
 Runs in a worker thread; never touches Redis.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from shared.errors import InputTooLargeError, ModelError, VramguardError
@@ -112,10 +115,11 @@ class _Compute:
 
     def run(self, items: list[object], costs: list[int]) -> list[ItemResult]:
         n = len(items)
-        if n > 1 and self.budget is not None and not self.budget.fits(n, max(costs)):
+        with self._admitted(n, max(costs)) as admitted:
+            outcome = self._try_forward(items) if admitted else None
+        if outcome is None:
             log.info("soft guard: predicted peak over the budget; splitting", extra={"batch_size": n})
             return self._halves(items, costs)
-        outcome = self._try_forward(items)
         if isinstance(outcome, _OutOfMemory):
             return self._after_oom(items, costs)
         if isinstance(outcome, Exception):
@@ -123,6 +127,13 @@ class _Compute:
         if self.budget is not None:
             self.budget.on_success(n)
         return outcome
+
+    def _admitted(self, batch_size: int, max_item_cost: int) -> AbstractContextManager[bool]:
+        """The memory budget's soft guard (it waits for concurrent forwards to leave room); always
+        admitted without a budget."""
+        if self.budget is None:
+            return nullcontext(True)
+        return self.budget.admit(batch_size, max_item_cost)
 
     def _try_forward(self, items: list[object]) -> list[ItemResult] | Exception | _OutOfMemory:
         import torch
@@ -137,7 +148,7 @@ class _Compute:
     def _halves(self, items: list[object], costs: list[int]) -> list[ItemResult]:
         self.stats.splits += 1
         if self.budget is not None:
-            self.budget.batch_splits += 1
+            self.budget.on_split()
         mid = len(items) // 2
         return self.run(items[:mid], costs[:mid]) + self.run(items[mid:], costs[mid:])
 

@@ -1,19 +1,20 @@
 """Side path: the worker's heartbeat. Every `heartbeat_interval_ms` the worker writes its
-state and counters to the hash `keys.heartbeat(worker_id)` with a TTL of `heartbeat_ttl_ms`,
-and its beat time to the model's worker index (a sorted set), which gateway/health.py reads.
-A worker that dies simply stops beating: its hash expires and the gateway drops it."""
+record (shared/heartbeat.py's WorkerBeat: state, counters, placement, memory) to the hash
+`keys.heartbeat(worker_id)` with a TTL of `heartbeat_ttl_ms`, and its beat time to the model's
+worker index (a sorted set), which gateway/health.py reads. A worker that dies simply stops
+beating: its hash expires and the gateway drops it."""
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.clock import now_ms
+from shared.heartbeat import WorkerBeat
 from shared.keys import Keys
 from shared.periodic import Periodic
 from shared.settings import Settings
@@ -49,31 +50,26 @@ class WorkerStats:
 
 
 class Heartbeat:
-    """Publishes `stats` plus the static `info` fields (model, device, batching settings)."""
+    """Publishes the record `snapshot()` returns (shared/heartbeat.py's WorkerBeat, its
+    `beat_ms` set here) every heartbeat interval."""
 
     def __init__(
-        self, settings: Settings, redis: aioredis.Redis, keys: Keys, worker_id: str, model: str,
-        stats: WorkerStats, info: dict[str, object],
-        extra_fields: Callable[[], Mapping[str, object]] | None = None,
+        self, settings: Settings, redis: aioredis.Redis, keys: Keys, beat: Callable[[], WorkerBeat]
     ) -> None:
         self._settings = settings
         self._redis = redis
-        self._key = keys.heartbeat(worker_id)
-        self._index = keys.worker_index(model)
-        self._worker_id = worker_id
-        self._stats = stats
-        self._info = {"worker_id": worker_id, "model": model, "pid": os.getpid(), **info}
-        self._extra_fields = extra_fields  # issue 5: watchdog and metrics fields, computed per beat
+        self._keys = keys
+        self._snapshot = beat
         self._beater = Periodic("heartbeat", self._beat_logged, settings.heartbeat_interval_ms / 1000)
 
     async def beat(self) -> None:
         """Write one heartbeat. Raises RedisError."""
-        extra = self._extra_fields() if self._extra_fields is not None else {}
-        fields = {k: str(v) for k, v in {**self._info, **asdict(self._stats), **extra, "beat_ms": now_ms()}.items()}
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self._key, mapping=fields)  # type: ignore[arg-type]
-            pipe.pexpire(self._key, self._settings.heartbeat_ttl_ms)
-            pipe.zadd(self._index, {self._worker_id: now_ms()})
+        record = replace(self._snapshot(), beat_ms=now_ms())
+        # Not a MULTI: the hash and the model's index live in different Redis Cluster slots (shared/keys.py).
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.hset(self._keys.heartbeat(record.worker_id), mapping=record.to_hash())  # type: ignore[arg-type]
+            pipe.pexpire(self._keys.heartbeat(record.worker_id), self._settings.heartbeat_ttl_ms)
+            pipe.zadd(self._keys.worker_index(record.model), {record.worker_id: record.beat_ms})
             await pipe.execute()
 
     def start(self) -> None:
@@ -88,10 +84,11 @@ class Heartbeat:
     async def stop(self) -> None:
         """Stop beating and remove this worker from the index at once (a clean exit)."""
         await self._beater.stop()
+        record = self._snapshot()
         try:
-            async with self._redis.pipeline(transaction=True) as pipe:
-                pipe.delete(self._key)
-                pipe.zrem(self._index, self._worker_id)
+            async with self._redis.pipeline(transaction=False) as pipe:  # two slots, as in beat()
+                pipe.delete(self._keys.heartbeat(record.worker_id))
+                pipe.zrem(self._keys.worker_index(record.model), record.worker_id)
                 await pipe.execute()
         except RedisError:
             pass  # the TTL removes it anyway

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from prometheus_client import CollectorRegistry, Histogram
 
 from shared import metrics as m
+from shared.heartbeat import HISTOGRAM_FIELD
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class WorkerMetrics:
         """Fields for the heartbeat hash: histograms, throughput and, on CUDA, GPU utilisation."""
         per_s, mean = self.throughput(items, batches)
         fields: dict[str, object] = {
-            m.HISTOGRAM_FIELD: m.encode_histograms(self.snapshots()),
+            HISTOGRAM_FIELD: m.encode_histograms(self.snapshots()),
             "items_per_s": round(per_s, 3),
             "mean_batch_size_1m": round(mean, 3),
         }

@@ -1,8 +1,11 @@
 """`python -m worker.profile --model NAME`: the capacity-planning step made one command. Loads
-the model on a device, measures baseline, weights and peak memory per batch (and per sequence
-length for text), fits peak = fixed + per_item x batch (per token for text) and prints the
-derived limits, as a table or, with --json, as one JSON object. Same code as a worker's start
-(worker/memory.py); settings come from VRAMGUARD_* like the worker's, flags override them.
+the model on a device, measures its own context, weights and peak memory per batch (and per
+sequence length for text), fits peak = fixed + per_item x batch (per token for text) and prints
+the derived limits, then what each worker of a placement on one GPU gets (its share, budget,
+batch limits): `--workers-per-gpu K` splits the watermark evenly, `--share S` (repeatable) gives
+workers explicit shares. As a table or, with --json, as one JSON object. Same code as a worker's
+start (worker/memory.py, worker/plan.py); settings come from VRAMGUARD_* like the worker's,
+flags override them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,23 @@ from tqdm import tqdm
 
 from shared.models import CATALOGUE
 from shared.settings import Settings, SettingsError
+from worker.plan import Fit, MemoryPlanError, Plan, plan_budget
 
 MIB = 1024 * 1024
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -25,46 +43,85 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, choices=sorted(CATALOGUE))
     parser.add_argument("--device", choices=["cuda", "cpu", "sim"], help="default: VRAMGUARD_DEVICE (auto)")
-    parser.add_argument("--total-bytes", type=int, help="plan for a device of this size (a GPU you don't have yet); "
-                        "on sim, the simulated device's size")
-    parser.add_argument("--watermark", type=float, help="fraction of device memory the workers may use (0.8)")
-    parser.add_argument("--workers-per-gpu", type=int, help="worker processes sharing the device (1)")
+    parser.add_argument("--total-bytes", type=_positive_int,
+                        help="plan for a device of this size, from the forwards measured on --device (a larger GPU "
+                        "than this one, say); on sim, the simulated device's size")
+    parser.add_argument("--watermark", type=_fraction, help="fraction of device memory the workers may use (0.8)")
+    placement = parser.add_mutually_exclusive_group()
+    placement.add_argument("--workers-per-gpu", type=_positive_int,
+                           help="worker processes sharing the device, each with watermark / K of it (1)")
+    placement.add_argument("--share", type=_fraction, action="append", metavar="S",
+                           help="a worker's fraction of the device's memory; repeat for each worker on the GPU "
+                           "(their sum must not exceed the watermark)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     return parser.parse_args(argv)
 
 
-def profile(settings: Settings, total_bytes: int | None, progress: bool = True) -> dict[str, object]:
-    """Load, warm up, measure and plan `settings.model` on `settings.device`; the plan's fields
-    plus `model` and `device`. Raises MemoryPlanError when the budget cannot hold one item."""
+def profile(settings: Settings, total_bytes: int | None, shares: list[float] | None = None,
+            progress: bool = True) -> dict[str, object]:
+    """Load, warm up, measure and plan `settings.model` on `settings.device`: the plan's fields
+    plus `model`, `device` and `workers`, the plan of each worker on one GPU for `shares` (default:
+    workers_per_gpu workers of watermark / workers_per_gpu each). Raises MemoryPlanError when the
+    budget cannot hold one item, ValueError when the shares exceed the watermark."""
     from worker.__main__ import build_backend
     from worker.execute import run_batch
-    from worker.memory import measurement_grid, start_budget
+    from worker.memory import start_budget
+    from worker.plan import measurement_grid
 
+    shares = shares or [settings.effective_memory_share] * settings.workers_per_gpu
+    if sum(shares) > settings.watermark + 1e-9:
+        raise ValueError(f"shares {shares} add up to {sum(shares):.4g}, more than the watermark {settings.watermark}")
     backend = build_backend(settings)
     config = settings.model_config_for(settings.model)
-    sim_bytes = total_bytes if (total_bytes and backend.device == "sim") else settings.sim_memory_bytes
+    if total_bytes and backend.device == "sim":
+        settings = settings.model_copy(update={"sim_memory_bytes": total_bytes})
 
     def warm_up() -> None:
         run_batch(backend, backend.decode(backend.example_inputs()), config.max_batch_size)
         bar.reset(total=len(measurement_grid(backend.max_item_cost, config.max_batch_size)))
 
     with tqdm(desc=f"measuring {settings.model}", unit="forward", disable=not progress, file=sys.stderr) as bar:
-        budget = start_budget(
-            backend, sim_memory_bytes=sim_bytes, watermark=settings.watermark, workers_per_gpu=settings.workers_per_gpu,
-            max_batch_size_cap=config.max_batch_size, planner=True, success_run=settings.adaptive_success_run,
-            warm_up=warm_up, total_bytes=total_bytes, on_step=lambda: bar.update(1),
-        )
-    return {"model": settings.model, "device": backend.device, **budget.plan.as_dict()}
+        budget = start_budget(backend, settings.model_copy(update={"memory_share": shares[0]}), config, warm_up=warm_up,
+                              total_bytes=total_bytes, on_step=lambda: bar.update(1), register=False)
+    return {"model": settings.model, "device": backend.device, **budget.plan.as_dict(),
+            "workers": [_worker_plan(budget.plan, share) for share in shares]}
+
+
+def _worker_plan(plan: Plan, share: float) -> dict[str, object]:
+    """What one worker of `share` gets on this GPU, from the measured fit of `plan`."""
+    fit = Fit(plan.fixed_bytes, plan.per_unit_bytes)
+    try:
+        mine = plan_budget(device_kind=plan.device_kind, total_bytes=plan.total_bytes, context_bytes=plan.context_bytes,
+                           weights_bytes=plan.weights_bytes, fit=fit, max_item_cost=plan.max_item_cost,
+                           watermark=plan.watermark, memory_share=share, max_batch_size=plan.max_batch_size,
+                           max_inflight_batches=plan.inflight_batches)
+    except MemoryPlanError as exc:
+        return {"memory_share": share, "error": str(exc)}
+    return {"memory_share": share, "budget_bytes": mine.budget_bytes, "planned_batch_size": mine.planned_batch_size,
+            "planned_batch_tokens": mine.planned_batch_tokens, "inflight_batches": mine.inflight_batches}
 
 
 def render_table(result: dict[str, object]) -> str:
-    """The profile as aligned `name  value` lines, bytes also in MiB."""
+    """The profile as aligned `name  value` lines, bytes also in MiB, then one line per worker."""
     lines = []
     for name, value in result.items():
+        if name == "workers":
+            continue
         shown = f"{value}"
         if name.endswith("_bytes") and isinstance(value, int | float):
             shown = f"{value:,.0f} ({value / MIB:,.1f} MiB)" if value >= 1 or value == 0 else f"{value:.3f}"
         lines.append(f"{name:<30} {shown}")
+    workers = result.get("workers")
+    if isinstance(workers, list):
+        lines.append(f"\nper GPU: {len(workers)} worker(s)")
+        for i, w in enumerate(workers):
+            if "error" in w:
+                lines.append(f"  worker {i}: share {w['memory_share']:.4g}: {w['error']}")
+                continue
+            lines.append(f"  worker {i}: share {w['memory_share']:.4g}, budget {w['budget_bytes'] / MIB:,.1f} MiB, "
+                         f"batch {w['planned_batch_size']} items"
+                         + (f" / {w['planned_batch_tokens']} tokens" if w["planned_batch_tokens"] else "")
+                         + f", {w['inflight_batches']} concurrent forward(s)")
     return "\n".join(lines)
 
 
@@ -83,11 +140,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.WARNING)
     from worker.execute import CudaContextLost
-    from worker.memory import MemoryPlanError
 
     try:
-        result = profile(settings, args.total_bytes, progress=not args.json)
-    except (MemoryPlanError, CudaContextLost, RuntimeError) as exc:  # RuntimeError: --device cuda without a GPU
+        result = profile(settings, args.total_bytes, args.share, progress=not args.json)
+    except (MemoryPlanError, CudaContextLost, RuntimeError, ValueError) as exc:  # RuntimeError: cuda without a GPU
         print(f"worker.profile: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else render_table(result))

@@ -1,6 +1,11 @@
-"""Hop 4: `publish_replies` sends every reply of a batch, acks its entries and deletes them
-from the request stream, all in one MULTI/EXEC pipeline, shielded from cancellation so a
-shutdown never leaves a batch half answered.
+"""Hop 4: `publish_replies` sends every reply of a batch, then acks its entries and deletes them
+from the request stream (with any dead letters) in one MULTI/EXEC, the whole shielded from
+cancellation so a shutdown never leaves a batch half answered.
+
+Two steps because under Redis Cluster the reply streams (each gateway's hash slot) and the
+request stream (the model's slot) cannot share a MULTI (shared/keys.py). Replies go first: if the
+worker dies between the steps its entries stay pending and are reclaimed, and the gateway drops
+the duplicate reply (delivery is at least once, as for any redelivery).
 
 Replies go to each request's `reply_to` stream with NOMKSTREAM: a gateway that died took its
 stream with it, and no worker may recreate it (it would never expire).
@@ -49,20 +54,20 @@ async def publish_replies(
     dead_letters: Sequence[DeadLetter] = (),
     reply_maxlen: int,
 ) -> None:
-    """XADD every reply and dead letter, then XACK + XDEL `entry_ids` (which must include the
-    dead letters' ids), atomically. Raises RedisError; nothing is acked then, so the entries
-    stay pending and are reclaimed."""
+    """XADD every reply, then XADD the dead letters and XACK + XDEL `entry_ids` (which must include
+    the dead letters' ids) atomically. Raises RedisError; nothing is acked then, so the entries
+    stay pending and are reclaimed (a reply already sent is then sent again, and dropped)."""
 
     async def _send() -> None:
-        async with redis.pipeline(transaction=True) as pipe:
-            for out in replies:
-                pipe.xadd(
-                    out.reply_to,
-                    {ENTRY_FIELD: out.reply.encode()},
-                    maxlen=reply_maxlen,
-                    approximate=True,
-                    nomkstream=True,
-                )
+        if replies:
+            async with redis.pipeline(transaction=False) as pipe:
+                for out in replies:
+                    pipe.xadd(out.reply_to, {ENTRY_FIELD: out.reply.encode()}, maxlen=reply_maxlen,
+                              approximate=True, nomkstream=True)
+                await pipe.execute()
+        if not entry_ids and not dead_letters:
+            return
+        async with redis.pipeline(transaction=True) as pipe:  # all on the model's slot
             for dead in dead_letters:
                 fields = cast(dict[FieldT, EncodableT], dead.fields)
                 pipe.xadd(

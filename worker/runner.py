@@ -5,7 +5,7 @@ and publish replies until told to stop. The main loop reads like DESIGN.md's hop
     groups, run_batch (execute.py), publish_replies (publish.py)
 
 Entries of dead workers (and of this consumer name's previous life) come back through
-reclaim.py and are served first, one at a time and alone, or dead-lettered (issue 4).
+reclaim.py and are served first, one at a time and alone, or dead-lettered.
 
 Signals only set flags (uvicorn's pattern): the first SIGTERM/SIGINT stops reading and drains
 the batches in flight; a second one, or `shutdown_grace_s` passing, exits at once and leaves
@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from collections.abc import Sequence
+from dataclasses import asdict
 from enum import IntEnum
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
@@ -26,9 +30,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from shared.clock import monotonic_ms, now_ms
 from shared.clocksync import ClockSync
+from shared.heartbeat import WorkerBeat
 from shared.keys import GROUP, Keys
 from shared.protocol import EntryId
-from shared.redis_client import connect, connect_blocking
+from shared.redis_client import check_eviction_policy, connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batch_errors import answer_internal_error
@@ -36,6 +41,7 @@ from worker.batcher import Batcher, Entry
 from worker.execute import CudaContextLost, run_batch
 from worker.hang import HangGuard, derive_forward_timeout_s, exit_now
 from worker.heartbeat import Heartbeat, WorkerStats
+from worker.ledger import PlacementError
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from worker.metrics import WorkerMetrics
 from worker.reclaim import Reclaimer
@@ -49,10 +55,10 @@ class ExitCode(IntEnum):
     """Process exit codes; supervisor restarts on anything but OK."""
 
     OK = 0
-    STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load
+    STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load, memory share refused
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
-    UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row (issue 5)
+    UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     FORWARD_HUNG = 7  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
 
 
@@ -82,7 +88,7 @@ class Worker:
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
         self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
-        self._held: set[EntryId] = set()  # entries of batches being served (issue 4: kept fresh by reclaim)
+        self._held: set[EntryId] = set()  # entries of batches being served (kept fresh by reclaim)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
         self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
@@ -131,11 +137,16 @@ class Worker:
             await self.ensure_group(redis)
             await clock.start()  # deadlines and heartbeats on Redis' clock (shared/clock.py)
             self.stats.started_ms = now_ms()
+            await check_eviction_policy(redis, self.settings)
             await asyncio.to_thread(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
-        except RedisError as exc:
+        except (RedisError, RuntimeError) as exc:  # RuntimeError: an evicting Redis under eviction_check=refuse
             await clock.stop()
-            log.error("cannot reach Redis at start", extra={"error": str(exc)})
+            log.error("cannot use Redis at start", extra={"error": str(exc)})
+            return ExitCode.STARTUP_FAILED
+        except PlacementError as exc:
+            await clock.stop()
+            log.error("memory share refused: the GPU is already fully shared", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
             await clock.stop()
@@ -149,12 +160,7 @@ class Worker:
         )
         self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
                                                      self.config.max_batch_size)
-        heartbeat = Heartbeat(
-            self.settings, redis, self.keys, self.worker_id, self.settings.model, self.stats,
-            {"device": self.backend.device, "max_batch_size": self.config.max_batch_size,
-             "max_wait_ms": self.config.max_wait_ms},
-            extra_fields=lambda: {**self._observed_fields(), **budget.heartbeat_fields()},
-        )
+        heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
         heartbeat.start()
@@ -187,14 +193,15 @@ class Worker:
         """Load the weights, run the example inputs once, then measure and plan the memory budget
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
-        s = self.settings
-        self.budget = start_budget(
-            self.backend, sim_memory_bytes=s.sim_memory_bytes, watermark=s.watermark,
-            workers_per_gpu=s.workers_per_gpu, max_batch_size_cap=self.config.max_batch_size,
-            planner=s.memory_planner, success_run=s.adaptive_success_run, warm_up=self._run_examples,
-        )
+        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
-        log.info("memory plan", extra={"model": s.model, "worker_id": self.worker_id, **self.budget.plan.as_dict()})
+        plan = self.budget.plan
+        log.info("memory plan", extra={"model": self.settings.model, "worker_id": self.worker_id,
+                                       "gpu": self.settings.cuda_visible_devices, **plan.as_dict()})
+        if plan.inflight_batches < self.config.max_inflight_batches:
+            log.warning("the memory budget holds fewer concurrent forwards than max_inflight_batches; "
+                        "running that many", extra={"max_inflight_batches": self.config.max_inflight_batches,
+                                                    "inflight_batches": plan.inflight_batches})
 
     def _run_examples(self) -> None:
         items = self.backend.decode(self.backend.example_inputs())
@@ -214,7 +221,10 @@ class Worker:
             block_ms=self.settings.block_ms, replay_history=False,
         )
         self._batcher = batcher
-        slots = asyncio.Semaphore(self.config.max_inflight_batches)
+        # Concurrent forwards: the configured max_inflight_batches, or fewer when the memory plan
+        # holds fewer (worker/plan.py gives each of them its own room in the budget).
+        inflight = self.budget.plan.inflight_batches if self.budget is not None else self.config.max_inflight_batches
+        slots = asyncio.Semaphore(min(self.config.max_inflight_batches, inflight))
         backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         failures = read = 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
@@ -333,10 +343,20 @@ class Worker:
         self.should_exit = True
         log.error("worker unhealthy; exiting for a restart", extra={"worker_id": self.worker_id, "reason": reason})
 
-    def _observed_fields(self) -> dict[str, object]:
-        """Heartbeat fields of the watchdog and the worker metrics (issue 5)."""
-        return {**self.watchdog.heartbeat_fields(), "batch_task_failures": self.batch_task_failures,
-                **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches)}
+    def beat(self) -> WorkerBeat:
+        """This worker's heartbeat record now: identity and placement, configured batching, the
+        counters, the watchdog, the metrics and the memory budget."""
+        parts: dict[str, Any] = {
+            **asdict(self.stats), **self.watchdog.heartbeat_fields(), "batch_task_failures": self.batch_task_failures,
+            **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches),
+            **(self.budget.heartbeat_fields() if self.budget is not None else {}),
+        }
+        return WorkerBeat(
+            worker_id=self.worker_id, model=self.settings.model, pid=os.getpid(), host=socket.gethostname(),
+            device=self.backend.device, gpu=self.settings.cuda_visible_devices or "",
+            max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
+            max_inflight_batches=self.config.max_inflight_batches, **parts,  # a misnamed part raises TypeError here
+        )
 
 
 __all__ = ["ExitCode", "Worker"]

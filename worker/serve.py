@@ -61,6 +61,10 @@ class BatchServer:
         self._on_context_lost = on_context_lost
         self._executions = ExecutionLog(settings)
         self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a hung forward
+        # Set once any forward of this worker lost the device context: from then on no forward's
+        # results are published, also those of concurrent batches that finished afterwards,
+        # since they ran on a device that can no longer be trusted.
+        self.context_lost = False
 
     async def serve(self, redis: aioredis.Redis, entries: list[Entry]) -> bool:
         """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
@@ -137,10 +141,13 @@ class BatchServer:
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
                       extra={"error": str(exc), "batch_size": len(items)})
+            self.context_lost = True
             self._on_context_lost()
             return False
+        if self.context_lost:  # another batch's forward broke the context while this one ran
+            return False
         duration_ms = monotonic_ms() - started
-        outgoing = self._replies(group, results, len(items), batch_start_ms)
+        outgoing = self._replies(group, results, len(items), batch_start_ms, costs)
         delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
         self._watchdog.record_batch(results)
         if self._watchdog.verify_due:  # many failed batches in a row: the inputs, or the device?
@@ -188,7 +195,7 @@ class BatchServer:
                 outgoing.append(self._failure(entry, DeadlineExceededError.code, "deadline passed while queued"))
                 continue
             try:
-                live.append((entry, self._backend.decode(msg.inputs)))
+                live.append((entry, self._backend.decode(msg.inputs, msg.parameters)))
             except InvalidInputError as exc:
                 outgoing.append(self._failure(entry, exc.code, exc.message))
         return outgoing, dead, live
@@ -199,11 +206,12 @@ class BatchServer:
                                                                      worker_id=self.worker_id))
 
     def _replies(
-        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int
+        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int,
+        costs: list[list[int]],
     ) -> list[Outgoing]:
         out: list[Outgoing] = []
         offset = 0
-        for entry, items in live:
+        for (entry, items), entry_costs in zip(live, costs, strict=True):
             msg = entry.message
             assert msg is not None
             mine = results[offset : offset + len(items)]
@@ -215,6 +223,7 @@ class BatchServer:
                 reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
                                              failed.error_message or "", **common)
             else:
-                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine], **common)  # type: ignore[arg-type]
+                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine],
+                                     cost=sum(entry_costs), **common)  # type: ignore[arg-type]
             out.append(Outgoing(msg.reply_to, reply))
         return out

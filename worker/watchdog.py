@@ -123,10 +123,10 @@ class Watchdog:
             self._on_unhealthy(reason)
 
     def heartbeat_fields(self) -> dict[str, object]:
-        """Fields for the heartbeat hash (gateway/health.py reads `healthy`, `last_ok_ms` and
+        """Watchdog fields of shared.heartbeat.WorkerBeat (gateway/health.py reads `healthy`, `last_ok_ms` and
         `probe_interval_ms`)."""
         return {
-            "healthy": 0 if self.unhealthy_reason else 1,
+            "healthy": self.unhealthy_reason is None,
             "unhealthy_reason": self.unhealthy_reason or "",
             "last_ok_ms": self.last_ok_ms,
             "probe_interval_ms": int(self._interval_ms),

@@ -5,25 +5,16 @@ the request id on every error of an inference request."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from gateway.app import create_app
 from shared.settings import Settings
+from tests.helpers import gateway_with
 
+JSON_TYPE = {"Content-Type": "application/json"}
 INFER = "/v1/models/synthetic/infer"
-
-
-@asynccontextmanager
-async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """Like the `gateway` fixture, for settings a test chooses."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
-            yield client
 
 
 def error_of(response: httpx.Response, status: int, code: str) -> dict[str, object]:
@@ -93,7 +84,7 @@ async def test_api_key_guards_v1_routes_only(settings_factory: Callable[..., Set
 
 
 async def test_unknown_route_and_wrong_method_use_the_error_format(gateway: httpx.AsyncClient) -> None:
-    error = error_of(await gateway.get("/v2/nothing"), 404, "not_found")
+    error = error_of(await gateway.get("/v3/nothing"), 404, "not_found")
     assert error["request_id"] is None
     wrong_method = await gateway.delete("/v1/models")
     error = error_of(wrong_method, 405, "method_not_allowed")
@@ -115,7 +106,7 @@ async def test_every_error_of_an_inference_request_carries_its_request_id(
     async with gateway_with(settings) as gateway:
         cases = [
             (await gateway.post("/v1/models/nope/infer", json={"inputs": [1]}), 404, "model_not_found"),
-            (await gateway.post(INFER, content=b"{oops"), 400, "invalid_input"),
+            (await gateway.post(INFER, content=b"{oops", headers=JSON_TYPE), 400, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": []}), 422, "invalid_input"),
             (await gateway.post(INFER, json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "0"}),
              422, "invalid_input"),

@@ -6,6 +6,8 @@ import httpx
 
 from tests.helpers import wait_until
 
+JSON_TYPE = {"Content-Type": "application/json"}
+
 
 async def ready(gateway: httpx.AsyncClient) -> None:
     async def check() -> bool:
@@ -48,11 +50,13 @@ async def test_round_trip_and_errors(gateway, start_worker) -> None:
         (await gateway.post("/v1/models/synthetic/infer", json={"input": [1]}), 422, "invalid_input"),
         (await gateway.post("/v1/models/minilm/infer", json={"inputs": [42]}), 422, "invalid_input"),
         (await gateway.post("/v1/models/minilm/infer", json={"inputs": [""]}), 422, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b"{oops"), 400, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": [NaN]}'), 422, "invalid_input"),
+        (await gateway.post("/v1/models/synthetic/infer", content=b"{oops", headers=JSON_TYPE), 400, "invalid_input"),
+        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": [NaN]}', headers=JSON_TYPE),
+         422, "invalid_input"),
         (await gateway.post("/v1/models/synthetic/infer", json={"inputs": [1]}, headers={"X-Request-Timeout-Ms": "x"}),
          422, "invalid_input"),
-        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": ["' + b"a" * 9_000_000 + b'"]}'),
+        (await gateway.post("/v1/models/synthetic/infer", content=b'{"inputs": ["' + b"a" * 9_000_000 + b'"]}',
+                            headers=JSON_TYPE),
          413, "payload_too_large"),
     ]
     for response, status, code in cases:
@@ -89,3 +93,17 @@ async def test_model_listing_shows_batching_settings(gateway) -> None:
     assert by_name["minilm"]["config"]["max_batch_size"] == 32
     assert by_name["minilm"]["config"]["max_wait_ms"] == 5.0
     assert (await gateway.get("/v1/models/nope")).status_code == 404
+
+
+async def test_gateway_starts_without_redis_and_answers_503(settings_factory) -> None:
+    """1. The gateway starts while nothing listens at its Redis URL.
+    Result: it starts (liveness 200), readiness and inference answer 503 `unavailable`, and no
+    Redis address reaches the client."""
+    from tests.helpers import free_port, gateway_with
+
+    async with gateway_with(settings_factory(redis_url=f"redis://127.0.0.1:{free_port()}/0")) as client:
+        assert (await client.get("/health/live")).status_code == 200
+        assert (await client.get("/health/ready")).status_code == 503
+        refused = await client.post("/v1/models/synthetic/infer", json={"inputs": [1]})
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "unavailable"
+        assert "127.0.0.1" not in refused.text

@@ -52,7 +52,7 @@ async def test_poison_input_in_a_batch_of_8_gets_413_and_the_rest_200(gateway, s
     handle = await start_worker(device="sim", sim_memory_bytes=64 * MIB, fault_injection=True,
                                 models={"synthetic": {"max_wait_ms": 200, "params": SMALL}})
     await live(gateway)
-    assert handle.worker.budget.plan.max_batch_size == 9
+    assert handle.worker.budget.plan.planned_batch_size == 9
     assert (await infer(gateway, [0, 0])).status_code == 200
     bodies: list[object] = [0, 1, 2, {"alloc_mib": 1000}, 4, 5, 6, 7]
     responses = await asyncio.gather(*(infer(gateway, [b]) for b in bodies))
@@ -81,7 +81,7 @@ async def test_mixed_lengths_short_inputs_are_not_delayed_by_a_long_one(
                                 models={"synthetic": {"max_wait_ms": 100, "params": TEXT}})
     await live(gateway)
     budget = handle.worker.budget
-    assert budget.plan.max_batch_tokens == max_batch_tokens and budget.plan.max_item_cost == 64
+    assert budget.plan.planned_batch_tokens == max_batch_tokens and budget.plan.max_item_cost == 64
 
     async def timed(text: str) -> tuple[float, httpx.Response]:
         started = time.monotonic()
@@ -113,7 +113,7 @@ async def test_input_too_large_alone_is_refused_at_once(gateway, start_worker) -
                                 models={"synthetic": {"params": {**TEXT, "item_mib": 1, "item_ms": 0}}})
     await live(gateway)
     budget = handle.worker.budget
-    assert budget.plan.max_batch_tokens == 39
+    assert budget.plan.planned_batch_tokens == 39
     forwards = handle.worker.stats.forwards
     refused = await infer(gateway, [" ".join(["w"] * 64)])
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "input_too_large"
@@ -135,3 +135,25 @@ async def test_oom_that_persists_exits_without_acking(gateway, start_worker, red
     pending = await redis_client.xpending(Keys(key_prefix).request_stream("synthetic"), GROUP)
     assert pending["pending"] == 1
     assert (await request).status_code in (503, 504)
+
+
+async def test_a_lost_context_stops_the_concurrent_forward_from_publishing(
+    gateway, start_worker, redis_client, key_prefix
+) -> None:
+    """1. Two forwards in flight (max_inflight_batches=2): a slow one of 20 items (600 ms), then,
+       while it runs, a one-item batch whose forward hits a CUDA error after 30 ms.
+    Result: the worker exits CUDA_CONTEXT_LOST; the slow forward, finishing on a device no longer
+    trusted, publishes nothing: its request is not answered by the worker (504 at its deadline)
+    and both entries stay pending, un-acked, for a fresh process to reclaim."""
+    handle = await start_worker(device="sim", fault_injection=True, models={"synthetic": {
+        "max_inflight_batches": 2, "max_wait_ms": 1, "params": {**SMALL, "batch_ms": 0, "item_ms": 30}}})
+    await live(gateway)
+    assert handle.worker.budget.plan.inflight_batches == 2
+    slow = asyncio.create_task(infer(gateway, list(range(20)), timeout_ms=2500))
+    await wait_until(lambda: handle.worker.budget.max_concurrent_forwards >= 1, 5, interval_s=0.005)
+    broken = asyncio.create_task(infer(gateway, [{"fault": "cuda_error"}], timeout_ms=2500))
+    assert await asyncio.wait_for(handle.task, 20) == ExitCode.CUDA_CONTEXT_LOST
+    assert handle.worker.budget.max_concurrent_forwards == 2  # the two forwards did overlap
+    assert (await slow).status_code == 504 and (await broken).status_code == 504
+    pending = await redis_client.xpending(Keys(key_prefix).request_stream("synthetic"), GROUP)
+    assert pending["pending"] == 2

@@ -37,21 +37,47 @@ def test_profile_json_plans_for_a_device_of_a_given_size() -> None:
                        "--workers-per-gpu", "2", "--watermark", "0.5", "--json")
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
-    assert plan["total_bytes"] == 1024 * MIB and plan["watermark"] == 0.5 and plan["workers_per_gpu"] == 2
-    assert plan["baseline_bytes"] == 0 and plan["weights_bytes"] == 128 * MIB
+    assert plan["total_bytes"] == 1024 * MIB and plan["watermark"] == 0.5 and plan["memory_share"] == 0.25
+    assert plan["context_bytes"] == 0 and plan["weights_bytes"] == 128 * MIB
     assert plan["fixed_bytes"] == 16 * MIB and plan["per_item_bytes"] == 8 * MIB
     # 0.5 x 1024 / 2 = 256 MiB; (256 - 144) / 8 = 14 items
-    assert plan["max_batch_size_cap"] == 64 and plan["max_batch_size"] == 14
-    assert plan["memory_fraction"] == 0.25
+    assert plan["max_batch_size"] == 64 and plan["planned_batch_size"] == 14
+    assert [w["memory_share"] for w in plan["workers"]] == [0.25, 0.25]  # the two workers on the GPU
+    assert [w["planned_batch_size"] for w in plan["workers"]] == [14, 14]
+
+
+def test_profile_prints_what_each_worker_of_a_placement_gets() -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(1024 * MIB),
+                       "--share", "0.5", "--share", "0.25")
+    assert done.returncode == 0, done.stderr
+    # 0.5 x 1024 = 512 MiB: (512 - 144) / 8 = 46 items; 0.25 x 1024 = 256 MiB: 14 items
+    assert "worker 0: share 0.5, budget 512.0 MiB, batch 46 items" in done.stdout
+    assert "worker 1: share 0.25, budget 256.0 MiB, batch 14 items" in done.stdout
+
+
+def test_profile_refuses_shares_over_the_watermark() -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", "--share", "0.5", "--share", "0.5")
+    assert done.returncode == 1 and "more than the watermark 0.8" in done.stderr, done.stderr
 
 
 def test_profile_table_shows_the_plan_and_a_progress_bar() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim")
     assert done.returncode == 0, done.stderr
-    assert "max_batch_size                 33" in done.stdout
+    assert "planned_batch_size             33" in done.stdout
     assert "measuring synthetic" in done.stderr and "4/4" in done.stderr
 
 
 def test_profile_names_a_budget_too_small() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(170 * MIB))
     assert done.returncode == 1 and "cannot hold" in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("--workers-per-gpu", "0"), "--workers-per-gpu: must be at least 1"),
+    (("--watermark", "1.5"), "--watermark: must be a fraction in (0, 1]"),
+    (("--total-bytes", "-5"), "--total-bytes: must be at least 1"),
+    (("--workers-per-gpu", "2", "--share", "0.3"), "not allowed with argument --workers-per-gpu"),
+])
+def test_profile_refuses_bad_arguments_naming_them(args: tuple[str, ...], message: str) -> None:
+    done = run_profile("--model", "synthetic", "--device", "sim", *args)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

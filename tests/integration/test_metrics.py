@@ -1,6 +1,6 @@
 """`GET /metrics` after known traffic, parsed with prometheus_client's own text parser: the
 gateway's request series, the queues, the worker series carried by heartbeats, and the memory
-fields of the issue-3 contract, which disappear with the heartbeat that carried them."""
+fields of the heartbeat schema, which disappear with the heartbeat that carried them."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ async def test_metrics_after_known_traffic(gateway, start_worker, redis_client: 
     assert (await gateway.post("/v1/models/nope/infer", json={"inputs": [1]})).status_code == 404
     await redis_client.xadd(Keys(key_prefix).request_stream("synthetic"), {b"m": b"not msgpack"})
 
-    worker = {"model": "synthetic", "worker": "w-known", "device": "cpu"}
+    worker = {"model": "synthetic", "worker": "w-known", "device": "cpu", "gpu": ""}  # not pinned to a GPU
 
     async def settled() -> bool:
         samples, _ = await scrape(gateway)
@@ -112,8 +112,8 @@ async def test_metrics_after_known_traffic(gateway, start_worker, redis_client: 
 MEMORY_FIELDS = {
     "device_kind": "sim", "mem_total_bytes": str(8 << 30), "mem_allocated_bytes": str(1 << 30),
     "mem_reserved_bytes": str(2 << 30), "mem_peak_bytes": str(3 << 29), "mem_budget_bytes": str(6 << 30),
-    "oom_events": "2", "batch_splits": "3", "adaptive_cap": "48", "plan_per_item_bytes": "1048576",
-    "plan_warmup_ms": "1500",
+    "oom_events": "2", "batch_splits": "3", "adaptive_batch_cap": "48", "plan_per_item_bytes": "1048576",
+    "plan_batch_size": "40", "gpu": "1", "gpu_uuid": "SIM-1", "memory_share": "0.4",
 }
 
 
@@ -131,11 +131,11 @@ async def beat_like_a_worker(redis: aioredis.Redis, keys: Keys, worker_id: str, 
 
 
 async def test_memory_fields_are_exported_and_vanish_with_the_heartbeat(gateway, redis_client, key_prefix) -> None:
-    """1. A heartbeat hash with the issue-3 memory fields appears in Redis.
+    """1. A heartbeat hash with the memory and placement fields appears in Redis.
     2. It expires (the worker died).
-    Result: its series exist with labels model, worker, device=sim and base units, then vanish."""
+    Result: its series exist with labels model, worker, device=sim, gpu and base units, then vanish."""
     await beat_like_a_worker(redis_client, Keys(key_prefix), "sim-0", MEMORY_FIELDS, ttl_ms=1000)
-    worker = {"model": "synthetic", "worker": "sim-0", "device": "sim"}
+    worker = {"model": "synthetic", "worker": "sim-0", "device": "sim", "gpu": "1"}
 
     async def seen() -> bool:
         return value((await scrape(gateway))[0], "vramguard_worker_memory_allocated_bytes", **worker) is not None
@@ -151,7 +151,9 @@ async def test_memory_fields_are_exported_and_vanish_with_the_heartbeat(gateway,
     assert value(samples, "vramguard_worker_batch_splits_total", **worker) == 3
     assert value(samples, "vramguard_worker_adaptive_batch_cap", **worker) == 48
     assert value(samples, "vramguard_worker_plan_per_item_bytes", **worker) == 1048576
-    assert value(samples, "vramguard_worker_plan_warmup_seconds", **worker) == 1.5
+    assert value(samples, "vramguard_worker_plan_batch_size", **worker) == 40
+    assert value(samples, "vramguard_worker_memory_share_ratio", **worker) == 0.4
+    assert [dict(lbl)["gpu_uuid"] for lbl in matching(samples, "vramguard_worker_info", **worker)] == ["SIM-1"]
     assert types["vramguard_worker_oom_events"] == "counter"
     assert types["vramguard_worker_memory_allocated_bytes"] == "gauge"
 
@@ -169,7 +171,7 @@ async def test_a_malformed_heartbeat_does_not_break_the_scrape(gateway, redis_cl
     fields = {"mem_allocated_bytes": "lots", "mem_total_bytes": "nan", "histograms": '{"batch_size": [1]}',
               "oom_events": "1", "plan_../x": "3"}
     await beat_like_a_worker(redis_client, Keys(key_prefix), "odd-0", fields, ttl_ms=5000)
-    worker = {"model": "synthetic", "worker": "odd-0", "device": "cpu"}
+    worker = {"model": "synthetic", "worker": "odd-0", "device": "cpu", "gpu": ""}
 
     async def seen() -> bool:
         return value((await scrape(gateway))[0], "vramguard_worker_oom_events_total", **worker) == 1

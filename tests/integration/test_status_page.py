@@ -44,7 +44,7 @@ SIM_STATS = {"items_per_s": "12.5", "last_batch_size": "8", "mean_batch_size_1m"
 
 
 async def keep_beating(redis: aioredis.Redis, keys: Keys) -> None:
-    """A simulated-device worker that reports memory (issue 3's fields), beating every 200 ms."""
+    """A simulated-device worker pinned to simulated GPU 1 that reports memory, beating every 200 ms."""
     while True:
         await beat_like_a_worker(redis, keys, "sim-gpu-0", {**MEMORY_FIELDS, **SIM_STATS}, ttl_ms=1500)
         await asyncio.sleep(0.2)
@@ -53,10 +53,11 @@ async def keep_beating(redis: aioredis.Redis, keys: Keys) -> None:
 @pytest.mark.slow
 async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_client, tmp_path: Path) -> None:
     """1. A gateway and a synthetic worker run as processes; 12 requests are served; a simulated
-       GPU worker reports memory through its heartbeat.
+       GPU worker reports memory and its placement through its heartbeat.
     2. Headless Chromium loads `/` and runs the page's script.
-    Result: the DOM shows readiness, queue numbers, worker states, throughput and the memory
-    numbers; the screenshot is kept in test-artifacts/status-page.png."""
+    Result: the DOM shows readiness, queue numbers, worker states, throughput, the memory
+    numbers and one card per GPU summing its workers; the screenshot is kept in
+    test-artifacts/status-page.png."""
     require_part(CHROMIUM, "no chromium binary (apt-get install -y chromium; .ci/run does)")
     stack.start_gateway(served_models="synthetic")
     stack.start_worker(model="synthetic")
@@ -91,6 +92,11 @@ async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_c
     assert found["mem-allocated-sim-gpu-0"] == "1.00 GiB" and found["mem-reserved-sim-gpu-0"] == "2.00 GiB"
     assert found["mem-peak-sim-gpu-0"] == "1.50 GiB"
     assert found["mem-budget-sim-gpu-0"] == "6.00 GiB" and found["mem-total-sim-gpu-0"] == "8.00 GiB"
+    # The GPU card of the simulated worker's GPU sums its workers (one here) and shows its share.
+    assert found["gpu-workers-1"] == "1" and found["gpu-share-1"] == "0.40"
+    assert found["gpu-allocated-1"] == "1.00 GiB" and found["gpu-budget-1"] == "6.00 GiB"
+    assert found["gpu-total-1"] == "8.00 GiB" and found["gpu-of-sim-gpu-0"] == "sim · GPU 1"
+    assert found["gpu-workers-cpu"] == "1"  # the real CPU worker, unpinned
     assert 'id="ready" class="badge ok">ready<' in dom
     png = shot.read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 20_000, len(png)

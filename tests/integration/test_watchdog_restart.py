@@ -1,5 +1,5 @@
 """A failing probe leads to an exit and a restart, with real processes: a real supervisord runs
-`python -m worker` as deploy/supervisord.conf does, and a real gateway process watches."""
+`python -m worker` with the shipped deploy/supervisord.conf, and a real gateway process watches."""
 
 from __future__ import annotations
 
@@ -18,28 +18,28 @@ async def test_a_failing_probe_exits_and_supervisor_restarts_the_worker(stack: S
     3. supervisord sees an unexpected exit and starts a fresh process under the same name.
     Result: the gateway sees the worker with a new pid and start time; readiness went 503 between."""
     stack.start_gateway(served_models="synthetic")
-    env = service_env(stack.redis_url, **{**stack.settings, "model": "synthetic", "worker_name": "sup-0",
+    env = service_env(stack.redis_url, **{**stack.settings, "model": "synthetic",
                                           "fault_injection": "true", "probe_fault": "cuda_error",
                                           "probe_interval_s": 2})
     supervised = SupervisedWorker(tmp_path, env)
     supervised.start()
     try:
         await stack.wait_ready(timeout_s=60)
-        lives: set[float] = set()  # started_ms of each ready incarnation of sup-0 seen
+        lives: set[float] = set()  # started_ms of each ready incarnation of the worker seen
         readiness: set[int] = set()
         async with httpx.AsyncClient(base_url=stack.url) as client:
 
             async def restarted() -> bool:
                 readiness.add((await client.get("/health/ready")).status_code)
                 for w in (await client.get("/status.json")).json()["models"][0]["workers"]:
-                    if w["worker_id"] == "sup-0" and w["state"] == "ready":
+                    if w["worker_id"] == supervised.worker_name and w["state"] == "ready":
                         lives.add(w["started_ms"])
                 return len(lives) >= 2
 
             await wait_until(restarted, 90, interval_s=0.1)
         assert 503 in readiness and 200 in readiness
         log = (tmp_path / "supervisord.log").read_text()
-        assert "exited: worker (exit status 6; not expected)" in log, log
-        assert '"probe failed"' in (tmp_path / "worker.log").read_text()
+        assert f"exited: {supervised.process} (exit status 6; not expected)" in log, log
+        assert '"probe failed"' in supervised.worker_log.read_text()
     finally:
         supervised.stop()

@@ -21,6 +21,8 @@ def run_records() -> dict[str, list[dict[str, object]]]:
         peer.append(point("peer", "vramguard", 64, ours, 1000.0, pair=pair))
         peer.append(point("peer", "litserve", 64, theirs, 2000.0, pair=pair))
     scale = [point("scale", f"{w} workers", 64, 24.0 * w * (0.95 if w == 8 else 1), 100.0, workers=w) for w in (1, 8)]
+    scale += [point("scale", f"{g} sim GPU x {k} workers", 64, rps, 100.0, gpus=g, workers_per_gpu=k)
+              for g, k, rps in [(1, 1, 24.0), (2, 2, 90.0)]]
     scale.append(point("scale", "gateway ceiling (instant workers)", 64, 400.0, 50.0))
     strategies = [point("strategies", "dynamic batching (batch 32, 5 ms)", 1, 40.0, 30.0, p50_ms=16.0)]
     return {"physical": physical, "peer": peer, "scale": scale, "strategies": strategies}
@@ -36,6 +38,8 @@ def test_figures_from_a_run() -> None:
     assert fig.peer.p99_ratios == pytest.approx([0.5, 0.5, 0.5])
     assert fig.peer.ours_rps == 100.0 and fig.peer.theirs_rps == 80.0
     assert fig.scale_rps == {1: 24.0, 8: pytest.approx(182.4)} and fig.gateway_ceiling_rps == 400.0
+    # 3. Placed workers (sim GPUs x workers per GPU) are their own figures, not the gateway ceiling.
+    assert fig.placed_rps == {(1, 1): 24.0, (2, 2): 90.0}
 
 
 def test_target_verdicts() -> None:
@@ -45,3 +49,5 @@ def test_target_verdicts() -> None:
     assert rows["p99 at c=64 no worse than LitServe's"][2] == "**met**"
     assert rows["p50 at c=1 within 3 ms of the model's batch-1 latency"][1].startswith("+2.0 ms")
     assert rows["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)"][2] == "**met**"  # 7.6x
+    assert rows["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)"][1:] == [
+        "3.75x (90 vs 24 req/s)", "**met**"]

@@ -10,6 +10,8 @@ DESIGN_TABLE = {
     "model_not_found": 404,
     "payload_too_large": 413,
     "input_too_large": 413,
+    "input_too_long": 413,
+    "unsupported_media_type": 415,
     "queue_full": 429,
     "model_error": 500,
     "unavailable": 503,

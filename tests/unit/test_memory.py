@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.memory import (
-    AdaptiveCap,
-    Fit,
-    MemoryPlanError,
-    Sample,
-    fit_peak,
-    measurement_grid,
-    plan_budget,
-)
+from worker.memory import AdaptiveCap
+from worker.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
 from worker.simdevice import MIB, SimDevice
 
 
@@ -51,8 +44,8 @@ def test_fit_clamps_a_negative_slope() -> None:
 
 def plan(**overrides: object):  # type: ignore[no-untyped-def]
     values: dict[str, object] = dict(
-        device_kind="sim", total_bytes=512 * MIB, baseline_bytes=0, weights_bytes=128 * MIB,
-        fit=Fit(16 * MIB, 8 * MIB), max_item_cost=1, watermark=0.8, workers_per_gpu=1, max_batch_size_cap=64,
+        device_kind="sim", total_bytes=512 * MIB, context_bytes=0, weights_bytes=128 * MIB,
+        fit=Fit(16 * MIB, 8 * MIB), max_item_cost=1, watermark=0.8, memory_share=0.8, max_batch_size=64,
     )
     values.update(overrides)
     return plan_budget(**values)  # type: ignore[arg-type]
@@ -62,32 +55,53 @@ def test_plan_follows_the_design_formula() -> None:
     p = plan()
     # usable = 0.8 x 512 MiB = 409.6 MiB; (409.6 - 128 - 16) / 8 = 33.2 -> 33, well below the cap of 64
     assert p.budget_bytes == int(0.8 * 512 * MIB)
-    assert p.max_batch_size == 33 and p.max_batch_size_cap == 64
-    assert p.per_item_bytes == 8 * MIB and p.per_token_bytes == 0 and p.max_batch_tokens == 0
-    assert p.memory_fraction == pytest.approx(0.8)
+    assert p.planned_batch_size == 33 and p.max_batch_size == 64
+    assert p.per_item_bytes == 8 * MIB and p.per_token_bytes == 0 and p.planned_batch_tokens == 0
+    assert p.memory_fraction == pytest.approx(0.8) and p.inflight_batches == 1
 
 
-def test_plan_shares_the_device_between_workers_and_counts_the_baseline() -> None:
-    p = plan(workers_per_gpu=2, baseline_bytes=20 * MIB)
-    # (204.8 - 20 - 128 - 16) / 8 = 5.1 -> 5
-    assert p.max_batch_size == 5 and p.memory_fraction == pytest.approx(0.4)
+def test_plan_takes_its_share_of_the_device_and_counts_its_own_context() -> None:
+    p = plan(memory_share=0.4, context_bytes=20 * MIB)
+    # (204.8 - 20 - 128 - 16) / 8 = 5.1 -> 5; the hard cap is the share itself
+    assert p.planned_batch_size == 5 and p.memory_fraction == pytest.approx(0.4)
+    assert p.budget_bytes == int(0.4 * 512 * MIB)
+
+
+def test_plans_of_workers_sharing_a_gpu_add_up_to_the_watermark() -> None:
+    shares = [0.8 / 3] * 3
+    plans = [plan(total_bytes=2048 * MIB, memory_share=s) for s in shares]
+    assert sum(p.budget_bytes for p in plans) <= 0.8 * 2048 * MIB
+    assert len({p.planned_batch_size for p in plans}) == 1  # same share, same plan, whatever the start order
+
+
+def test_plan_gives_each_concurrent_forward_its_own_room() -> None:
+    # room = 409.6 - 128 = 281.6 MiB; two forwards: 140.8 - 16 = 124.8 MiB each -> 15 items
+    p = plan(max_inflight_batches=2)
+    assert p.inflight_batches == 2 and p.planned_batch_size == 15
+    assert 2 * (16 * MIB + 8 * MIB * p.planned_batch_size) + 128 * MIB <= p.budget_bytes
+
+
+def test_plan_lowers_concurrency_the_budget_cannot_hold() -> None:
+    # room = 0.8 x 200 - 128 = 32 MiB: one forward holds 2 items, two forwards hold none
+    p = plan(total_bytes=200 * MIB, max_inflight_batches=2)
+    assert p.inflight_batches == 1 and p.planned_batch_size == 2
 
 
 def test_plan_is_capped_by_the_configured_max_batch_size() -> None:
-    assert plan(total_bytes=8 * 1024 * MIB).max_batch_size == 64
+    assert plan(total_bytes=8 * 1024 * MIB).planned_batch_size == 64
 
 
 def test_plan_for_text_derives_max_batch_tokens() -> None:
-    p = plan(fit=Fit(16 * MIB, 64 * 1024), max_item_cost=256, max_batch_size_cap=32)
+    p = plan(fit=Fit(16 * MIB, 64 * 1024), max_item_cost=256, max_batch_size=32)
     # (409.6 - 144) MiB / 64 KiB per token = 4249 tokens; a max-length item costs 16 MiB
-    assert p.max_batch_tokens == 4249
+    assert p.planned_batch_tokens == 4249
     assert p.per_token_bytes == 64 * 1024 and p.per_item_bytes == 16 * MIB
-    assert p.max_batch_size == 32 and p.max_batch_cost == 4249
+    assert p.planned_batch_size == 32 and p.max_batch_cost == 4249
 
 
 def test_plan_recommends_workers_per_gpu() -> None:
     # one full batch of 8 items needs 128 + 16 + 64 = 208 MiB: 0.8 x 2 GiB / K >= 208 MiB for K <= 7
-    assert plan(total_bytes=2048 * MIB, max_batch_size_cap=8).recommended_workers_per_gpu == 7
+    assert plan(total_bytes=2048 * MIB, max_batch_size=8).recommended_workers_per_gpu == 7
 
 
 def test_plan_refuses_a_budget_that_cannot_hold_one_item() -> None:

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from shared import metrics as m
+from shared.heartbeat import WorkerBeat
 from worker.metrics import GpuUtilisation, WorkerMetrics
 
 
@@ -46,12 +47,11 @@ def test_unknown_histograms_are_ignored() -> None:
     assert list(m.decode_histograms(field)) == ["batch_size"]
 
 
-def test_plan_fields_get_base_units_and_safe_names() -> None:
-    spec = m.plan_field_metric("plan_warmup_ms")
-    assert spec is not None and spec.name == "vramguard_worker_plan_warmup_seconds" and spec.scale == 1e-3
-    spec = m.plan_field_metric("plan_per_item_bytes")
-    assert spec is not None and spec.name == "vramguard_worker_plan_per_item_bytes" and spec.scale == 1
-    assert m.plan_field_metric("plan_bad-name") is None and m.plan_field_metric("plan_") is None
+def test_every_plan_field_of_the_heartbeat_is_a_gauge_with_its_unit() -> None:
+    specs = {spec.field: spec for spec in m.plan_field_metrics()}
+    assert specs["plan_per_item_bytes"].name == "vramguard_worker_plan_per_item_bytes"
+    assert specs["plan_batch_size"].kind == "gauge" and "plan_inflight_batches" in specs
+    assert all(name.startswith("plan_") for name in specs)
 
 
 def test_every_exported_name_has_the_prefix_and_a_base_unit() -> None:
@@ -62,15 +62,11 @@ def test_every_exported_name_has_the_prefix_and_a_base_unit() -> None:
             assert spec.name.endswith("_seconds") and spec.scale == 1e-3
 
 
-@pytest.mark.parametrize(("raw", "parsed"), [(None, None), ("", None), ("x", None), ("nan", None), ("inf", None),
-                                             ("3", 3.0), ("2.5", 2.5)])
-def test_parse_number(raw: str | None, parsed: float | None) -> None:
-    assert m.parse_number(raw) == parsed
-
-
-def test_device_label_prefers_the_published_kind() -> None:
-    assert m.device_label({"device": "cuda:1"}) == "cuda"
-    assert m.device_label({"device": "cpu", "device_kind": "sim"}) == "sim"
+def test_worker_labels_name_the_gpu_and_the_device_kind() -> None:
+    beat = WorkerBeat(model="minilm", worker_id="h-minilm-gpu1-0", device="cuda", device_kind="cuda", gpu="1")
+    assert m.worker_label_values(beat) == ["minilm", "h-minilm-gpu1-0", "cuda", "1"]
+    assert WorkerBeat(device="cuda:1").device_label == "cuda"  # before the memory budget reports its kind
+    assert WorkerBeat(device="cpu", device_kind="sim").device_label == "sim"
 
 
 def test_throughput_covers_the_last_minute() -> None:

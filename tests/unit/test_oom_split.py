@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.models import ModelConfig
+from shared.models import ModelConfig, ModelOverrides
+from shared.settings import Settings
 from worker.accounting import SimAccounting
 from worker.costing import group_by_cost
 from worker.execute import CudaContextLost, chunk_by_cost, run_batch
@@ -18,11 +19,12 @@ from worker.simdevice import MIB
 def make_budget():  # type: ignore[no-untyped-def]
     def make(total_mib: int, **kwargs: object) -> tuple[SyntheticBackend, MemoryBudget]:
         p = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4, **kwargs.pop("params", {})}  # type: ignore[dict-item]
+        cap = int(kwargs.pop("cap", 64))
         backend = SyntheticBackend(ModelConfig(params=p), "sim", fault_injection=True)
-        budget = start_budget(backend, sim_memory_bytes=total_mib * MIB, watermark=0.8, workers_per_gpu=1,
-                              max_batch_size_cap=int(kwargs.pop("cap", 64)), planner=bool(kwargs.pop("planner", True)),
-                              success_run=4)
-        return backend, budget
+        settings = Settings(model="synthetic", sim_memory_bytes=total_mib * MIB, watermark=0.8, adaptive_success_run=4,
+                            memory_planner=bool(kwargs.pop("planner", True)),
+                            models={"synthetic": ModelOverrides(max_batch_size=cap, **kwargs)})  # type: ignore[arg-type]
+        return backend, start_budget(backend, settings, settings.model_config_for("synthetic"))
 
     return make
 
@@ -30,7 +32,7 @@ def make_budget():  # type: ignore[no-untyped-def]
 def test_planned_budget_runs_a_large_batch_without_oom(make_budget) -> None:
     backend, budget = make_budget(64)
     # 0.8 x 64 = 51.2 MiB; (51.2 - 8 - 4) / 4 = 9.8 -> 9 items per forward
-    assert budget.plan.max_batch_size == 9
+    assert budget.plan.planned_batch_size == 9
     results, stats = run_batch(backend, list(range(40)), 64, budget=budget)
     assert [r.output for r in results] == list(range(40))
     assert stats.oom_events == 0 and budget.oom_events == 0

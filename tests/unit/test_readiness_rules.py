@@ -1,12 +1,15 @@
 """The readiness rule of gateway/health.py applied to heartbeat fields (no Redis involved: the
-rule reads the cached view only): fresh heartbeat, state=ready, healthy=1, recent success."""
+rule reads the cached view only): fresh heartbeat, state=ready, healthy, recent success."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from gateway.health import Health, HealthView
 from shared.clock import now_ms
+from shared.heartbeat import WorkerBeat
 from shared.keys import Keys
 from shared.settings import Settings
 
@@ -17,9 +20,10 @@ def health() -> Health:
     return Health(Settings(served_models=["synthetic"], heartbeat_ttl_ms=5000), None, Keys())  # type: ignore[arg-type]
 
 
-def beat(**fields: object) -> dict[str, str]:
+def beat(**fields: object) -> WorkerBeat:
+    """A heartbeat hash as a worker writes it (strings), parsed as the gateway parses it."""
     base = {"state": "ready", "healthy": "1", "last_ok_ms": str(NOW - 1000), "probe_interval_ms": "30000"}
-    return {**base, **{k: str(v) for k, v in fields.items()}}
+    return WorkerBeat.from_hash({**base, **{k: str(v) for k, v in fields.items()}})
 
 
 @pytest.mark.parametrize(
@@ -42,14 +46,14 @@ def test_worker_problem(fields: dict[str, object], problem: str | None) -> None:
 
 def test_a_worker_without_probe_fields_is_not_counted() -> None:
     """A worker that publishes no watchdog fields cannot prove it computes: not ready."""
-    assert health().worker_problem({"state": "ready"}, NOW) == "no successful probe reported"
+    assert health().worker_problem(WorkerBeat.from_hash({"state": "ready"}), NOW) == "no successful probe reported"
 
 
 def test_model_readiness_names_each_workers_problem() -> None:
     h = health()
-    fresh = {"state": "ready", "healthy": "1", "last_ok_ms": str(now_ms()), "probe_interval_ms": "30000"}
+    fresh = WorkerBeat(state="ready", healthy=True, last_ok_ms=now_ms(), probe_interval_ms=30000)
     h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {
-        "a": {**fresh, "state": "unhealthy", "unhealthy_reason": "3 consecutive batches failed"}}})
+        "a": replace(fresh, state="unhealthy", unhealthy_reason="3 consecutive batches failed")}})
     ok, details = h.model_readiness("synthetic")
     assert not ok and details["reasons"] == ["no live worker: a: state=unhealthy (3 consecutive batches failed)"]
     h.view.workers["synthetic"]["b"] = fresh

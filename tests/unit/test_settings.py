@@ -100,3 +100,17 @@ def test_max_inputs_per_request_defaults_to_256_and_must_be_positive() -> None:
     assert s.model_config_for("synthetic").max_inputs_per_request == 8
     with pytest.raises(ValueError, match="MAX_INPUTS_PER_REQUEST"):
         Settings(models={"synthetic": {"max_inputs_per_request": 0}})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t"])
+def test_blank_api_key_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch, key: str) -> None:
+    monkeypatch.setenv("VRAMGUARD_API_KEY", key)
+    with pytest.raises(SettingsError, match="VRAMGUARD_API_KEY.*empty"):
+        Settings.from_env()
+
+
+def test_http_limits_have_safe_defaults() -> None:
+    settings = Settings()
+    assert settings.http_keep_alive_s > 60  # above common load-balancer idle timeouts (ALB, nginx: 60 s)
+    assert settings.http_header_timeout_s <= 30 and settings.http_max_headers <= 200
+    assert settings.http_max_header_bytes <= 64 * 1024

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
@@ -75,7 +75,7 @@ class SyntheticBackend:
             self._sim = simdevice.current()
             self._sim.allocate(self.weights_bytes)
 
-    def decode(self, inputs: list[object]) -> list[object]:
+    def decode(self, inputs: list[object], parameters: Mapping[str, object] | None = None) -> list[object]:
         return list(inputs)
 
     @property

@@ -1,0 +1,73 @@
+"""The one inference path every protocol's route goes through (native, KServe v2, OpenAI):
+request id, metrics, the shared input checks, then the Dispatcher. A protocol module only
+translates its body into (inputs, parameters, timeout) and the reply back into its own shape."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from fastapi import Request
+from pydantic import JsonValue
+
+from gateway.dispatch import Dispatcher
+from gateway.edge import check_parameters
+from gateway.metrics import RequestRecord
+from gateway.schemas import check_input_count, validate_inputs, validate_token_inputs
+from shared.models import CATALOGUE
+from shared.protocol import ReplyMessage, RequestId
+from shared.settings import Settings
+
+
+def dispatcher_of(request: Request) -> Dispatcher:
+    return request.app.state.dispatcher  # type: ignore[no-any-return]
+
+
+def settings_of(request: Request) -> Settings:
+    return request.app.state.settings  # type: ignore[no-any-return]
+
+
+@contextmanager
+def inference_request(request: Request, model: str) -> Iterator[RequestRecord]:
+    """Assign the request id (first, so every error of the request carries it: app.py's handlers
+    read `request.state.request_id`), check the model is served, and count, time and log the
+    request under its outcome (gateway/metrics.py)."""
+    request_id = RequestId(uuid.uuid4().hex)
+    request.state.request_id = request_id
+    dispatcher_of(request).check_model(model)
+    with request.app.state.metrics.track(model) as record:
+        record.request_id = request_id
+        yield record
+
+
+async def submit(
+    request: Request,
+    record: RequestRecord,
+    inputs: list[JsonValue],
+    parameters: dict[str, JsonValue],
+    timeout_ms: int | None,
+    *,
+    token_ids: bool = False,
+) -> ReplyMessage:
+    """Check inputs and parameters against the model's catalogue entry and settings, then run them.
+    `token_ids`: the inputs are lists of token ids for a text model (the OpenAI route's forms).
+
+    Raises PayloadTooLargeError (too many inputs), InvalidInputError (unknown parameter, bad
+    input), InputTooLongError (over the window without parameters.truncate), or whatever the
+    Dispatcher raises (429, 503, 504, the worker's error).
+    """
+    model = record.model
+    spec = CATALOGUE[model]
+    check_input_count(model, settings_of(request).model_config_for(model), len(inputs))
+    check_parameters(spec, parameters)
+    truncate = parameters.get("truncate") is True
+    if token_ids:
+        prepared = validate_token_inputs(spec, inputs, truncate=truncate)
+    else:
+        prepared = validate_inputs(spec, inputs, truncate=truncate)
+    _, reply = await dispatcher_of(request).submit(
+        model, list(prepared), dict(parameters), timeout_ms, request_id=RequestId(str(record.request_id))
+    )
+    record.reply = reply
+    return reply

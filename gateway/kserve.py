@@ -1,0 +1,279 @@
+"""KServe Open Inference Protocol v2 (REST), as Triton's `tritonclient[http]` speaks it: server and
+model metadata, liveness and readiness, and inference with JSON tensors or the binary tensor data
+extension in both directions. A thin adapter: tensors become the native inputs and parameters,
+and the request runs through gateway/inference.py like any other (same queue, deadlines, metrics).
+
+A model's tensors come from its catalogue entry (shared/models.py: `inputs`, `outputs`): one
+input and one output, the first dimension being the batch (one row per item). Errors are
+`{"error": "<message>"}` (app.py renders them for /v2 paths); every invalid request is 400, as in Triton.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+
+from gateway.edge import JSON, BadBodyError, read_body, require_media_type
+from gateway.inference import dispatcher_of, inference_request, settings_of, submit
+from gateway.openapi import error_responses, request_body
+from shared.errors import ModelNotFoundError
+from shared.models import CATALOGUE, ModelSpec, TensorSpec
+
+OCTET = "application/octet-stream"
+HEADER_LENGTH = "inference-header-content-length"
+# Request parameters of the protocol itself (tritonclient sends them); the rest must be the model's.
+PROTOCOL_PARAMETERS = frozenset({"binary_data_output", "timeout", "priority"})
+DTYPES = {"BOOL": "?", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "INT8": "<i1",
+          "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
+MODEL_VERSION = "1"
+
+router = APIRouter(tags=["kserve-v2"])  # behind the API key when one is set
+health_router = APIRouter(tags=["kserve-v2"])  # open, like /health/*, for probes
+
+
+class V2Error(BaseModel):
+    error: str
+
+
+class V2Tensor(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    shape: list[int]
+    datatype: str
+    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    data: JsonValue = None
+
+
+class V2Output(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class V2InferRequest(BaseModel):
+    """POST /v2/models/{model}/infer: the JSON part of the body (all of it without the binary extension)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | None = None
+    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    inputs: Annotated[list[V2Tensor], Field(min_length=1)]
+    outputs: list[V2Output] | None = None
+
+
+V2_ERRORS = error_responses((400, 401, 404, 413, 415, 429, 500, 503, 504), V2Error)
+
+
+@router.get("/v2")
+async def server_metadata() -> dict[str, object]:
+    """Server metadata; `extensions` lists the binary tensor data extension."""
+    return {"name": "vramguard", "version": "0.1.0", "extensions": ["binary_tensor_data"]}
+
+
+@health_router.get("/v2/health/live")
+async def server_live() -> dict[str, bool]:
+    return {"live": True}
+
+
+@health_router.get("/v2/health/ready", responses=V2_ERRORS)
+async def server_ready(request: Request) -> JSONResponse:
+    """200 when every served model has a live worker (gateway/health.py's readiness), else 503."""
+    ok, _details = request.app.state.health.readiness()
+    return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+
+@router.get("/v2/models/{model}", responses=V2_ERRORS)
+@router.get("/v2/models/{model}/versions/{version}", responses=V2_ERRORS, include_in_schema=False)
+async def model_metadata(model: str, request: Request, version: str = MODEL_VERSION) -> dict[str, object]:
+    """The model's name, version and tensors (shape -1: variable; the first dimension is the batch)."""
+    spec = _spec(request, model, version)
+    return {"name": model, "versions": [MODEL_VERSION], "platform": "vramguard",
+            "inputs": [_tensor_metadata(t) for t in spec.inputs],
+            "outputs": [_tensor_metadata(t) for t in spec.outputs]}
+
+
+@router.get("/v2/models/{model}/ready", responses=V2_ERRORS)
+@router.get("/v2/models/{model}/versions/{version}/ready", responses=V2_ERRORS, include_in_schema=False)
+async def model_ready(model: str, request: Request, version: str = MODEL_VERSION) -> JSONResponse:
+    _spec(request, model, version)
+    ok, _details = request.app.state.health.model_readiness(model)
+    return JSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 503)
+
+
+@router.post("/v2/models/{model}/infer", responses=V2_ERRORS,
+             openapi_extra=request_body(V2InferRequest, ("application/json", OCTET)))
+@router.post("/v2/models/{model}/versions/{version}/infer", include_in_schema=False)
+async def infer(
+    model: str,
+    request: Request,
+    version: str = MODEL_VERSION,
+    inference_header_content_length: Annotated[str | None, Header()] = None,
+) -> Response:
+    """Inference. Without Inference-Header-Content-Length the body is all JSON; with it, that many
+    bytes of JSON followed by the binary tensors named by their `binary_data_size` parameters."""
+    with inference_request(request, model) as record:
+        spec = _spec(request, model, version)
+        require_media_type(request, {JSON, OCTET}, allow_missing=True)  # tritonclient sends none
+        body = await read_body(request, settings_of(request).max_body_bytes)
+        parsed, binary = _split_body(body, inference_header_content_length)
+        inputs = _read_input(spec, parsed.inputs, binary)
+        _check_outputs(spec, parsed)
+        parameters = {k: v for k, v in parsed.parameters.items() if k not in PROTOCOL_PARAMETERS}
+        reply = await submit(request, record, inputs, parameters, _timeout_ms(parsed.parameters))
+    return _render(model, parsed, spec, reply.outputs or [])
+
+
+def _spec(request: Request, model: str, version: str) -> ModelSpec:
+    dispatcher_of(request).check_model(model)
+    if version != MODEL_VERSION:
+        raise ModelNotFoundError(f"model {model!r} has only version {MODEL_VERSION}")
+    return CATALOGUE[model]
+
+
+def _tensor_metadata(tensor: TensorSpec) -> dict[str, object]:
+    return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
+
+
+def _split_body(body: bytes, header_length: str | None) -> tuple[V2InferRequest, bytes]:
+    """(the JSON part parsed, the binary rest). Raises BadBodyError (400)."""
+    json_length = len(body)
+    if header_length is not None:
+        if not header_length.isascii() or not header_length.isdigit() or int(header_length) > len(body):
+            raise BadBodyError(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length "
+                               f"within the {len(body)}-byte body")
+        json_length = int(header_length)
+    try:
+        parsed = V2InferRequest.model_validate_json(body[:json_length])
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise BadBodyError(f"{where}: {first['msg']}") from exc
+    return parsed, body[json_length:]
+
+
+def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list[JsonValue]:
+    """The one declared input tensor as native inputs (one per row). Raises BadBodyError naming
+    the tensor: unknown or missing name, wrong datatype, negative dimension, shape and data disagree."""
+    declared = spec.inputs[0]
+    names = [t.name for t in tensors]
+    if names != [declared.name]:
+        raise BadBodyError(f"model {spec.name!r} takes one input named {declared.name!r}, got {names}")
+    tensor = tensors[0]
+    if tensor.datatype != declared.datatype:
+        raise BadBodyError(f"input {tensor.name!r}: datatype {tensor.datatype!r}, expected {declared.datatype!r}")
+    if not tensor.shape or any(d < 0 for d in tensor.shape):
+        raise BadBodyError(f"input {tensor.name!r}: shape {tensor.shape} must be non-empty and non-negative")
+    count = math.prod(tensor.shape)
+    size = tensor.parameters.get("binary_data_size")
+    if size is not None:
+        if isinstance(size, bool) or size != len(binary):  # one input: every byte after the JSON is its
+            raise BadBodyError(f"input {tensor.name!r}: binary_data_size {size!r} disagrees with the "
+                               f"{len(binary)} bytes after the JSON header")
+        values = _from_binary(tensor, binary)
+    else:
+        values = _flatten(tensor.data)
+    if len(values) != count:
+        raise BadBodyError(f"input {tensor.name!r}: shape {tensor.shape} holds {count} elements, "
+                           f"data has {len(values)}")
+    rows = tensor.shape[0]
+    if rows == 0 or count != rows:
+        raise BadBodyError(f"input {tensor.name!r}: one element per row expected, shape {tensor.shape}")
+    return _typed(tensor, values)
+
+
+def _from_binary(tensor: V2Tensor, raw: bytes) -> list[JsonValue]:
+    if tensor.datatype != "BYTES":
+        itemsize = np.dtype(DTYPES[tensor.datatype]).itemsize
+        if len(raw) % itemsize:
+            raise BadBodyError(f"input {tensor.name!r}: {len(raw)} bytes is not a whole number of {tensor.datatype}")
+        return np.frombuffer(raw, dtype=DTYPES[tensor.datatype]).tolist()  # type: ignore[no-any-return]
+    values: list[JsonValue] = []
+    offset = 0
+    while offset < len(raw):  # each element: 4-byte little-endian length, then the bytes
+        if offset + 4 > len(raw):
+            raise BadBodyError(f"input {tensor.name!r}: truncated BYTES element length")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        element = raw[offset + 4 : offset + 4 + length]
+        if len(element) != length:
+            raise BadBodyError(f"input {tensor.name!r}: BYTES element shorter than its length {length}")
+        values.append(_utf8(tensor, element))
+        offset += 4 + length
+    return values
+
+
+def _utf8(tensor: V2Tensor, element: bytes) -> str:
+    try:
+        return element.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadBodyError(f"input {tensor.name!r}: a BYTES element is not UTF-8 text") from exc
+
+
+def _flatten(data: JsonValue) -> list[JsonValue]:
+    if isinstance(data, list):
+        return [v for item in data for v in _flatten(item)]
+    if data is None:
+        return []
+    return [data]
+
+
+def _typed(tensor: V2Tensor, values: list[JsonValue]) -> list[JsonValue]:
+    """Each element checked against the datatype (JSON data can hold anything)."""
+    if tensor.datatype == "BYTES":
+        if not all(isinstance(v, str) for v in values):
+            raise BadBodyError(f"input {tensor.name!r}: BYTES elements must be strings")
+        return values
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+        raise BadBodyError(f"input {tensor.name!r}: {tensor.datatype} elements must be finite numbers")
+    return values
+
+
+def _timeout_ms(parameters: dict[str, JsonValue]) -> int | None:
+    """Triton's `timeout` request parameter is in microseconds; None when absent."""
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise BadBodyError("parameters.timeout: a positive integer number of microseconds")
+    return max(1, min(math.ceil(value / 1000), 3_600_000))
+
+
+def _check_outputs(spec: ModelSpec, parsed: V2InferRequest) -> None:
+    declared = spec.outputs[0].name
+    unknown = [o.name for o in parsed.outputs or () if o.name != declared]
+    if unknown:
+        raise BadBodyError(f"model {spec.name!r} has no output {unknown}; it has {declared!r}")
+
+
+def _render(model: str, parsed: V2InferRequest, spec: ModelSpec, outputs: list[object]) -> Response:
+    """The output tensor as JSON, or binary when asked (per output `binary_data`, else the
+    request's `binary_data_output`)."""
+    declared = spec.outputs[0]
+    binary = parsed.parameters.get("binary_data_output") is True
+    if parsed.outputs:
+        binary = parsed.outputs[0].parameters.get("binary_data") is True
+    array = np.asarray(outputs, dtype=DTYPES[declared.datatype])
+    tensor: dict[str, Any] = {"name": declared.name, "datatype": declared.datatype, "shape": list(array.shape)}
+    head: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "outputs": [tensor]}
+    if parsed.id is not None:
+        head["id"] = parsed.id
+    if not binary:
+        tensor["data"] = array.ravel().tolist()
+        return JSONResponse(head)
+    raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+    tensor["parameters"] = {"binary_data_size": len(raw)}
+    header = json.dumps(head).encode()
+    return Response(header + raw, media_type=OCTET, headers={"Inference-Header-Content-Length": str(len(header))})
+
+
+def error_body(message: str) -> dict[str, str]:
+    """The v2 error shape."""
+    return {"error": message}

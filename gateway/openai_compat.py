@@ -1,0 +1,135 @@
+"""OpenAI-compatible `POST /v1/embeddings`, as the `openai` Python client speaks it. A thin
+adapter: the body becomes native inputs (strings or token-id lists) and runs through
+gateway/inference.py like any other request (same queue, deadlines, metrics, statuses).
+
+Differences from OpenAI's API, on purpose: token ids are the served model's own vocabulary (not
+tiktoken's); `usage` counts the tokens the model ran, [CLS] and [SEP] included; `dimensions` is
+refused unless it is the model's own size; an input past the model's window is 413
+`input_too_long` (OpenAI answers 400) unless the body sets `"truncate": true` (an extension,
+sent with the client's `extra_body`). Errors use OpenAI's shape with our `code` and `request_id`.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Annotated, Literal
+
+import numpy as np
+from fastapi import APIRouter, Header, Request
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
+
+from gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
+from gateway.inference import inference_request, settings_of, submit
+from gateway.openapi import error_responses, request_body
+from shared.errors import InvalidInputError
+from shared.models import CATALOGUE, InputKind
+
+PATH = "/v1/embeddings"
+
+router = APIRouter(tags=["openai"])
+
+TokenIds = Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)]
+
+
+class EmbeddingsRequest(BaseModel):
+    """The body of POST /v1/embeddings (OpenAI's, plus `truncate`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    input: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds | Annotated[
+        list[TokenIds], Field(min_length=1)]
+    model: StrictStr
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None
+    user: StrictStr | None = None
+    truncate: bool = False
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str
+    request_id: str | None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class Embedding(BaseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingsResponse(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Embedding]
+    model: str
+    usage: Usage
+
+
+@router.post(PATH, response_model=EmbeddingsResponse, openapi_extra=request_body(EmbeddingsRequest),
+             responses=error_responses((400, 401, 404, 413, 415, 422, 429, 500, 503, 504), OpenAIError))
+async def embeddings(
+    request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None
+) -> EmbeddingsResponse:
+    """One embedding per input, in order, as floats or base64 of little-endian float32.
+    X-Request-Timeout-Ms sets the deadline, as on the native route."""
+    timeout_ms = header_timeout(x_request_timeout_ms)
+    require_media_type(request, {JSON})
+    body = _parse(await read_body(request, settings_of(request).max_body_bytes))
+    with inference_request(request, body.model) as record:
+        spec = CATALOGUE[body.model]
+        if spec.input_kind is not InputKind.TEXT:
+            raise BadBodyError(f"model {body.model!r} is not a text embedding model")
+        width = spec.outputs[0].shape[-1]
+        if body.dimensions is not None and body.dimensions != width:
+            raise BadBodyError(f"dimensions: model {body.model!r} returns {width} dimensions and cannot shorten them")
+        inputs = _inputs(body)
+        parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
+        reply = await submit(request, record, inputs, parameters, timeout_ms, token_ids=not isinstance(inputs[0], str))
+    data = [Embedding(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(reply.outputs or [])]
+    return EmbeddingsResponse(data=data, model=body.model, usage=Usage(prompt_tokens=reply.cost,
+                                                                       total_tokens=reply.cost))
+
+
+def _parse(raw: bytes) -> EmbeddingsRequest:
+    try:
+        return EmbeddingsRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise BadBodyError(f"body is not valid JSON: {first['msg']}") from exc
+        where = ".".join(str(p) for p in first["loc"][:1]) or "body"
+        raise InvalidInputError(f"{where}: {first['msg']}") from exc
+
+
+def _inputs(body: EmbeddingsRequest) -> list[JsonValue]:
+    """The four input forms as a list of native inputs: strings, or lists of token ids."""
+    value = body.input
+    if isinstance(value, str):
+        return [value]
+    if value and isinstance(value[0], int):
+        return [list(value)]
+    return list(value)  # type: ignore[arg-type]
+
+
+def _encode(vector: object, encoding_format: str) -> list[float] | str:
+    array = np.asarray(vector, dtype="<f4")
+    if encoding_format == "base64":
+        return base64.b64encode(array.tobytes()).decode("ascii")
+    return array.tolist()  # type: ignore[no-any-return]
+
+
+def error_body(status: int, code: str, message: str, request_id: str | None) -> dict[str, object]:
+    """OpenAI's error shape: `type` invalid_request_error (4xx) or server_error (5xx)."""
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    param = message.split(":", 1)[0] if status in (400, 422) and ":" in message[:40] else None
+    return {"error": {"message": message, "type": kind, "param": param, "code": code, "request_id": request_id}}

@@ -1,0 +1,83 @@
+"""Scenario 10: the Redis primary dies under load and Sentinel promotes its replica.
+
+1. A primary, a replica and three sentinels (quorum 2, down-after-milliseconds 1000) run as
+   real `redis-server` processes; the gateway and two workers find the primary through the
+   sentinels (VRAMGUARD_REDIS_SENTINELS), never by its address.
+2. 10 clients send requests with a 4 s deadline for 14 s; at 3 s the primary gets SIGKILL, or
+   (second case) a `SENTINEL FAILOVER` demotes it to a replica while it keeps running, so the
+   open connections to it answer writes with READONLY.
+3. The sentinels promote the replica; gateway and workers reconnect (and rediscover the
+   primary) by themselves.
+
+Result: no request hangs past its deadline (each is answered by deadline + 1.5 s); a request
+in flight during the failover either succeeds or fails with 503 (Redis unreachable, or no live
+worker while heartbeats resume) or 504 (its entry was not yet replicated when the primary died:
+asynchronous replication, README "What a failover can lose"); every request sent once the
+stack has recovered succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.chaos.load import Load
+from tests.helpers import Stack
+from tests.topology import MASTER_NAME, SentinelTopology, wait_for
+
+TIMEOUT_MS = 4000
+LOAD_S = 14
+KILL_AT_S = 3
+RECOVERED_S = 4  # the last seconds of load, when every request must succeed
+
+
+@pytest.fixture
+def sentinel_stack(tmp_path: Path) -> Iterator[tuple[Stack, SentinelTopology]]:
+    topology = SentinelTopology()
+    stack = Stack(
+        "redis://127.0.0.1:1/0", tmp_path,  # nothing listens there: only the sentinels can lead to Redis
+        redis_sentinels=topology.addresses, redis_sentinel_master=MASTER_NAME,
+        served_models="synthetic", model="synthetic", block_ms=200, heartbeat_interval_ms=200,
+        heartbeat_ttl_ms=1500, shutdown_grace_s=5, claim_idle_ms=1000, reclaim_interval_ms=200,
+        models__synthetic__params='{"batch_ms": 20}',
+    )
+    try:
+        topology.start()
+        yield stack, topology
+    finally:
+        stack.stop()
+        topology.stop()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "demote"])
+async def test_primary_lost_under_load_fails_over_without_hanging(sentinel_stack, how: str) -> None:
+    stack, topology = sentinel_stack
+    stack.start_gateway()
+    stack.start_worker(worker_name="sentinel-w0")
+    stack.start_worker(worker_name="sentinel-w1")
+    await stack.wait_ready()
+    started = time.monotonic()
+    async with Load(stack.url, clients=10, timeout_ms=TIMEOUT_MS) as load:
+
+        async def kill_primary() -> None:
+            await asyncio.sleep(KILL_AT_S)
+            if how == "sigkill":
+                topology.kill(topology.primary)
+            else:
+                redis.Redis(port=topology.sentinels[0]).execute_command("SENTINEL", "FAILOVER", MASTER_NAME)
+
+        tally, _ = await asyncio.gather(load.run_for(LOAD_S), kill_primary())
+    wait_for(lambda: topology.current_primary() == topology.replica, 10, "the replica promoted")
+    tally.report(f"10 Sentinel failover ({how})", time.monotonic() - started)
+    late = [r for r in tally.results if r.latency_s > TIMEOUT_MS / 1000 + 1.5]
+    assert not late, late[:3]
+    assert tally.lost == 0 and tally.duplicates == 0
+    assert set(tally.errors) <= {"503 unavailable", "504 deadline_exceeded"}, tally.errors
+    recovered = [r for r in tally.results if r.sent_s > started + LOAD_S - RECOVERED_S]
+    assert recovered and all(r.status == 200 for r in recovered), [r for r in recovered if r.status != 200][:3]
+    assert tally.ok > 0.5 * tally.sent, tally.errors

@@ -1,0 +1,151 @@
+"""What deploy/k8s/ ships, checked without a cluster: each overlay renders with `kubectl
+kustomize`, every built-in object passes the Kubernetes schema (kubernetes-validate, strict,
+offline), the KEDA objects pass KEDA's CRD schema (cloudcoil's models generated from it, made
+strict), and the ScaledObject names the stream and group the code uses (shared/keys.py), so
+renaming a key breaks this test, not autoscaling in production."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from cloudcoil.models.keda.v1alpha1 import ScaledObject, TriggerAuthentication
+
+from shared.keys import GROUP, Keys
+from shared.settings import Settings
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+OVERLAYS = ["gpu", "cpu"]
+KUBERNETES_VERSION = "1.30.0"
+# redis-streams trigger metadata KEDA documents (keda.sh/docs/latest/scalers/redis-streams/).
+KEDA_REDIS_STREAMS_KEYS = {
+    "address", "addressFromEnv", "host", "hostFromEnv", "port", "portFromEnv", "usernameFromEnv",
+    "passwordFromEnv", "stream", "consumerGroup", "pendingEntriesCount", "streamLength", "lagCount",
+    "activationLagCount", "enableTLS", "unsafeSsl", "databaseIndex",
+}
+CRD_MODELS = {"ScaledObject": ScaledObject, "TriggerAuthentication": TriggerAuthentication}
+
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed (.ci/run installs it)")
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)],
+                         capture_output=True, text=True, check=True, timeout=60).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def strict_schema(model: Any) -> dict[str, Any]:
+    """The model's JSON schema with additionalProperties false wherever the CRD lists properties
+    (pydantic's models accept unknown fields; the API server would prune them silently)."""
+    schema: dict[str, Any] = model.model_json_schema(by_alias=True)
+
+    def close(node: Any) -> None:
+        if isinstance(node, dict):
+            if "properties" in node and "additionalProperties" not in node:
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(schema)
+    return schema
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def env_settings(docs: list[dict[str, Any]], container: dict[str, Any]) -> dict[str, str]:
+    """The VRAMGUARD_* values a container gets: its ConfigMap (envFrom) plus its literal env."""
+    values: dict[str, str] = {}
+    for source in container.get("envFrom", []):
+        name = source["configMapRef"]["name"]
+        values.update(next(c for c in by_kind(docs, "ConfigMap") if c["metadata"]["name"] == name)["data"])
+    values.update({e["name"]: e["value"] for e in container.get("env", []) if "value" in e})
+    return {k: v for k, v in values.items() if k.startswith("VRAMGUARD_")}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders_and_passes_the_kubernetes_schema(overlay: str) -> None:
+    docs = render(overlay)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "PodDisruptionBudget", "ScaledObject", "ConfigMap"} <= kinds
+    for doc in docs:
+        if doc["kind"] in CRD_MODELS:
+            jsonschema.validate(doc, strict_schema(CRD_MODELS[doc["kind"]]))
+        else:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_misspelled_field_fails_both_schema_checks() -> None:
+    docs = render("cpu")
+    deployment = by_kind(docs, "Deployment")[0]
+    deployment["spec"]["template"]["spec"]["terminationGracePeriodSecond"] = 30
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
+    scaled = by_kind(docs, "ScaledObject")[0]
+    scaled["spec"]["minReplicas"] = 1
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(scaled, strict_schema(ScaledObject))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scaled_object_watches_the_stream_and_group_the_workers_use(overlay: str) -> None:
+    docs = render(overlay)
+    scaled = by_kind(docs, "ScaledObject")[0]
+    target = scaled["spec"]["scaleTargetRef"]["name"]
+    worker = next(d for d in by_kind(docs, "Deployment") if d["metadata"]["name"] == target)
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    # The worker's own Settings, built from what the manifests give it (a bad name fails here too).
+    values = env_settings(docs, container)
+    settings = Settings(**{k.removeprefix("VRAMGUARD_").lower(): v for k, v in values.items()})  # type: ignore[arg-type]
+    stream = Keys(settings.key_prefix).request_stream(settings.model)
+    triggers = scaled["spec"]["triggers"]
+    assert {t["type"] for t in triggers} == {"redis-streams"}
+    for trigger in triggers:
+        meta = trigger["metadata"]
+        assert set(meta) <= KEDA_REDIS_STREAMS_KEYS, set(meta) - KEDA_REDIS_STREAMS_KEYS
+        assert (meta["stream"], meta["consumerGroup"]) == (stream, GROUP)
+        env_names = {e["name"] for e in container["env"]}
+        assert meta["addressFromEnv"] in env_names  # KEDA reads it from the scale target's container
+    kinds = {frozenset(t["metadata"]) & {"pendingEntriesCount", "lagCount"} for t in triggers}
+    assert kinds == {frozenset({"pendingEntriesCount"}), frozenset({"lagCount"})}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grace_periods_exceed_the_drain_and_no_password_is_in_a_manifest(overlay: str) -> None:
+    docs = render(overlay)
+    for deployment in by_kind(docs, "Deployment"):
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        grace_s = float(env_settings(docs, container)["VRAMGUARD_SHUTDOWN_GRACE_S"])
+        assert pod["terminationGracePeriodSeconds"] > grace_s
+        url = next(e for e in container["env"] if e["name"] == "VRAMGUARD_REDIS_URL")
+        assert url["valueFrom"]["secretKeyRef"]["name"] == "vramguard-redis"
+    for pdb in by_kind(docs, "PodDisruptionBudget"):
+        assert any(d["spec"]["selector"]["matchLabels"] == pdb["spec"]["selector"]["matchLabels"]
+                   for d in by_kind(docs, "Deployment"))
+
+
+def test_gpu_overlay_gives_each_worker_one_gpu_and_probes_its_heartbeat() -> None:
+    docs = render("gpu")
+    worker = next(d for d in by_kind(docs, "Deployment") if "worker" in d["metadata"]["name"])
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    values = env_settings(docs, container)
+    assert values["VRAMGUARD_WORKERS_PER_GPU"] == "1" and values["VRAMGUARD_DEVICE"] == "cuda"
+    assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}  # the device plugin sets it
+    assert container["livenessProbe"]["exec"]["command"] == ["python", "-m", "worker.alive"]
+    assert (K8S.parents[1] / "worker" / "alive.py").exists()
+    gateway = next(d for d in by_kind(docs, "Deployment") if "gateway" in d["metadata"]["name"])
+    probes = gateway["spec"]["template"]["spec"]["containers"][0]
+    assert (probes["readinessProbe"]["httpGet"]["path"], probes["livenessProbe"]["httpGet"]["path"]) == (
+        "/health/ready", "/health/live")

@@ -1,0 +1,134 @@
+"""The strict HTTP edge through the real app: media types, compressed bodies, declared
+parameters, no redirects, the gateway's half of the input-length policy, error bodies without
+internal details, and the API key refused at start when blank."""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import subprocess
+import sys
+import zlib
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from shared.models import CATALOGUE
+from shared.settings import Settings
+from tests.helpers import ROOT, RedisServer, free_port, gateway_with, service_env, wait_until
+
+INFER = "/v1/models/synthetic/infer"
+JSON = {"Content-Type": "application/json"}
+
+
+def code_of(response: httpx.Response) -> str:
+    return str(response.json()["error"]["code"])
+
+
+async def test_inference_needs_a_json_content_type(gateway: httpx.AsyncClient) -> None:
+    body = b'{"inputs": [1]}'
+    for headers in ({"Content-Type": "text/plain"}, {}, {"Content-Type": "application/x-www-form-urlencoded"}):
+        for path in (INFER, "/v1/embeddings"):
+            response = await gateway.post(path, content=body, headers=headers)
+            assert response.status_code == 415, (path, headers, response.text)
+    ok_type = await gateway.post(INFER, content=body, headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert ok_type.status_code == 503  # past the edge: no worker in this test
+    # The v2 route takes none (tritonclient sends none), JSON or octet-stream, and nothing else.
+    v2 = b'{"inputs": [{"name": "input", "shape": [1], "datatype": "FP64", "data": [1.0]}]}'
+    assert (await gateway.post("/v2/models/synthetic/infer", content=v2)).status_code == 503
+    refused = await gateway.post("/v2/models/synthetic/infer", content=v2, headers={"Content-Type": "text/plain"})
+    assert refused.status_code == 415 and isinstance(refused.json()["error"], str)
+
+
+async def test_gzip_and_deflate_bodies_are_read_with_a_cap(settings_factory: Callable[..., Settings]) -> None:
+    async with gateway_with(settings_factory(max_body_bytes=4096)) as gateway:
+        body = b'{"inputs": [1], "parameters": {"bogus": 1}}'  # 422 proves the body was read
+        for encoding, packed in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body))):
+            response = await gateway.post(INFER, content=packed, headers={**JSON, "Content-Encoding": encoding})
+            assert response.status_code == 422 and "bogus" in response.text, response.text
+        bomb = gzip.compress(b'{"inputs": ["' + b"a" * 1_000_000 + b'"]}')  # ~1 KiB that inflates to 1 MB
+        assert len(bomb) < 4096
+        response = await gateway.post(INFER, content=bomb, headers={**JSON, "Content-Encoding": "gzip"})
+        assert response.status_code == 413 and "decompressed" in response.text
+        broken = await gateway.post(INFER, content=b"not gzip", headers={**JSON, "Content-Encoding": "gzip"})
+        assert broken.status_code == 400
+        other = await gateway.post(INFER, content=body, headers={**JSON, "Content-Encoding": "br"})
+        assert other.status_code == 415 and "'br'" in other.text
+
+
+async def test_parameters_are_the_models_declared_ones(gateway: httpx.AsyncClient) -> None:
+    unknown = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncat": True}})
+    assert unknown.status_code == 422 and "parameters.truncat" in unknown.text and "truncate" in unknown.text
+    wrong_type = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncate": 1}})
+    assert wrong_type.status_code == 422 and "boolean" in wrong_type.text
+    declared = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncate": True}})
+    assert declared.status_code == 503  # past the checks
+
+
+async def test_trailing_slash_is_404_in_the_error_format_not_a_redirect(gateway: httpx.AsyncClient) -> None:
+    for method, path in (("POST", "/v1/models/minilm/infer/"), ("GET", "/health/ready/"), ("GET", "/v1/models/"),
+                         ("POST", "/v1/embeddings/")):
+        response = await gateway.request(method, path, json={})
+        assert response.status_code == 404 and code_of(response) == "not_found", (path, response.status_code)
+    response = await gateway.get("/v2/models/minilm/")
+    assert response.status_code == 404 and isinstance(response.json()["error"], str)
+
+
+async def test_text_length_policy_at_the_gateway(gateway: httpx.AsyncClient) -> None:
+    """Refused before any worker (none runs here): invisible-only text, and text longer than the
+    window can span, unless truncation is asked for (then it is cut and goes on: 503 here)."""
+    for text in ("\u200b\u200b", "\x00\x01", " \u2028\t"):
+        response = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["ok", text]})
+        assert response.status_code == 422 and "inputs[1]" in response.text, text
+    limit = CATALOGUE["minilm"].max_input_chars
+    assert limit is not None
+    long_texts = ["a " * limit] * 3  # 3 x 2 x limit characters: would be seconds of tokenizing
+    response = await gateway.post("/v1/models/minilm/infer", json={"inputs": long_texts})
+    assert response.status_code == 413 and code_of(response) == "input_too_long"
+    assert str(2 * limit) in response.text and "256-token" in response.text
+    cut = await gateway.post("/v1/models/minilm/infer", json={"inputs": long_texts, "parameters": {"truncate": True}})
+    assert cut.status_code == 503
+    ids = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": list(range(300))})
+    assert ids.status_code == 413 and ids.json()["error"]["code"] == "input_too_long"
+
+
+async def test_error_bodies_carry_no_redis_address(
+    settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.metrics")
+    server = RedisServer()
+    server.start()
+    port = server.port
+    async with gateway_with(settings_factory(redis_url=server.url)) as gateway:
+        server.stop()
+
+        async def redis_seen_down() -> bool:
+            return "redis" in (await gateway.get("/health/ready")).text
+
+        await wait_until(redis_seen_down, 10)
+        for path, body in ((INFER, {"inputs": [1]}), ("/v1/embeddings", {"model": "minilm", "input": "a"})):
+            response = await gateway.post(path, json=body)
+            assert response.status_code == 503 and response.headers["Retry-After"] == "1"
+            assert "127.0.0.1" not in response.text and str(port) not in response.text, response.text
+            # The log line of the same request id has what the client was not told.
+            request_id = response.json()["error"]["request_id"]
+            (line,) = [r for r in caplog.records if getattr(r, "request_id", None) == request_id]
+            assert str(port) in line.error_detail  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("key", ["", "   "])
+def test_blank_api_key_stops_the_gateway_at_start(key: str) -> None:
+    env = service_env("redis://127.0.0.1:1/0", port=free_port(), api_key=key)
+    done = subprocess.run([sys.executable, "-m", "gateway"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert b"VRAMGUARD_API_KEY" in done.stderr and b"empty" in done.stderr
+
+
+async def test_openapi_describes_bodies_and_errors(gateway: httpx.AsyncClient) -> None:
+    schema = (await gateway.get("/openapi.json")).json()
+    for path in ("/v1/models/{model}/infer", "/v1/embeddings", "/v2/models/{model}/infer"):
+        post = schema["paths"][path]["post"]
+        assert "requestBody" in post, path
+        assert {"413", "415", "429", "503", "504"} <= set(post["responses"]), path
+    assert {"InferRequest", "EmbeddingsRequest", "V2InferRequest"} <= set(schema["components"]["schemas"])

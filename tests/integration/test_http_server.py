@@ -1,0 +1,169 @@
+"""The HTTP server against untrusted clients, over raw sockets to a real `python -m gateway`:
+ambiguous framing refused and the connection closed, header and body deadlines, the connection
+cap, header limits (431), the keep-alive setting, and clients that hang up or break a chunk
+counted under their own outcome with no traceback in the log."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.helpers import Stack
+
+LIMITS = {"http_header_timeout_s": 1, "http_body_timeout_s": 1, "http_max_connections": 40,
+          "http_keep_alive_s": 1, "http_max_headers": 50, "http_max_header_bytes": 8192}
+
+
+@pytest.fixture
+def gateway(stack: Stack) -> Iterator[Stack]:
+    stack.start_gateway(**LIMITS)
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{stack.url}/health/live").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    deadline = time.monotonic() + 60
+    while not up():
+        assert time.monotonic() < deadline, stack.logs()
+        time.sleep(0.1)
+    yield stack
+
+
+def connect(stack: Stack) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", stack.port), timeout=10)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything the server sends until it closes the connection (fails the test if it never does)."""
+    chunks = []
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return b"".join(chunks)
+        chunks.append(data)
+
+
+def outcome_count(stack: Stack, outcome: str) -> float:
+    text = httpx.get(f"{stack.url}/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vramguard_requests_total{") and f'outcome="{outcome}"' in line)
+
+
+def open_fds(stack: Stack) -> int:
+    assert stack.gateway is not None
+    return len(os.listdir(f"/proc/{stack.gateway.pid}/fd"))
+
+
+def test_content_length_with_transfer_encoding_is_refused_and_closed(gateway: Stack) -> None:
+    hidden = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    chunked = b"0\r\n\r\n" + hidden
+    request = (b"POST /v1/models/synthetic/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Content-Length: " + str(len(chunked)).encode() + b"\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked)
+    with connect(gateway) as sock:
+        sock.sendall(request)
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+def test_folded_header_is_refused_and_closed(gateway: Stack) -> None:
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-A: b\r\n c\r\n\r\n")
+        answer = read_all(sock)
+    assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+def test_header_limits_are_431(gateway: Stack) -> None:
+    for headers in (b"X-Big: " + b"a" * 65536 + b"\r\n", b"".join(b"X-%d: 1\r\n" % i for i in range(3000))):
+        with connect(gateway) as sock:
+            sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n")
+            answer = read_all(sock)
+        assert answer.startswith(b"HTTP/1.1 431"), answer[:100]
+
+
+def test_slow_headers_get_408_and_the_connections_are_released(gateway: Stack) -> None:
+    """30 connections send their headers a byte at a time: each is answered 408 and closed by the
+    header deadline (1 s here), and the gateway's file descriptors come back to where they were."""
+    baseline = open_fds(gateway)
+    socks = [connect(gateway) for _ in range(30)]
+    started = time.monotonic()
+    for sock in socks:
+        sock.sendall(b"G")
+    time.sleep(0.3)
+    for sock in socks:
+        sock.sendall(b"E")
+    assert open_fds(gateway) >= baseline + 25  # held open (the baseline may count a closing probe socket)
+    answers = [read_all(sock) for sock in socks]
+    elapsed = time.monotonic() - started
+    for sock in socks:
+        sock.close()
+    assert all(a.startswith(b"HTTP/1.1 408") for a in answers), answers[0]
+    assert elapsed < 5, elapsed  # the 1 s deadline, with room for a busy machine
+
+    deadline = time.monotonic() + 5
+    while open_fds(gateway) > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert open_fds(gateway) <= baseline
+
+
+def test_connections_past_the_cap_are_closed_at_once(gateway: Stack) -> None:
+    held = [connect(gateway) for _ in range(LIMITS["http_max_connections"])]
+    try:
+        time.sleep(0.2)  # let the server accept them all
+        with connect(gateway) as extra:
+            extra.settimeout(2)
+            assert extra.recv(100) == b""  # closed without a byte read or sent
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_unfinished_body_and_broken_chunk_count_as_client_disconnected(gateway: Stack) -> None:
+    before = outcome_count(gateway, "client_disconnected")
+    head = b"POST /v1/models/synthetic/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    with connect(gateway) as sock:  # a body that never finishes: closed at the body deadline
+        sock.sendall(head + b"Content-Length: 100\r\n\r\n{\"inputs\"")
+        assert read_all(sock) == b""
+    with connect(gateway) as sock:  # a malformed chunk: 400 and close
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\n5\r\n{\"inp\r\nzz\r\n")
+        assert read_all(sock).startswith(b"HTTP/1.1 400")
+    with connect(gateway) as sock:  # a client that hangs up mid-body
+        sock.sendall(head + b"Content-Length: 100\r\n\r\n{\"inputs\"")
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while outcome_count(gateway, "client_disconnected") < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert outcome_count(gateway, "client_disconnected") == before + 3
+    assert outcome_count(gateway, "internal") == 0
+    log = (gateway.log_dir / "gateway.log").read_text()
+    assert "Traceback" not in log and '"levelname": "ERROR"' not in log and "ERROR" not in log
+
+
+def read_live(sock: socket.socket) -> bytes:
+    """One /health/live response (its body is the end of it)."""
+    data = b""
+    while not data.endswith(b'{"status":"live"}'):
+        chunk = sock.recv(4096)
+        assert chunk, data
+        data += chunk
+    return data
+
+
+def test_keep_alive_idle_timeout_is_the_setting(gateway: Stack) -> None:
+    request = b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(gateway) as sock:
+        sock.sendall(request)
+        assert read_live(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(0.4)  # well inside 1 s: the connection is still usable
+        sock.sendall(request)
+        assert read_live(sock).startswith(b"HTTP/1.1 200")
+        started = time.monotonic()
+        assert sock.recv(4096) == b""  # then closed by the server once idle for 1 s
+        assert 0.5 < time.monotonic() - started < 5
