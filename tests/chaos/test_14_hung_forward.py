@@ -1,4 +1,4 @@
-"""Scenario 10: a forward that never returns, and signals while one runs.
+"""Scenario 14: a forward that never returns, and signals while one runs.
 
 A. 1. A real supervisord runs one synthetic worker (fault injection on, forward timeout 2 s,
       max_deliveries 2); five normal requests and one {"fault": "hang"} are sent together.
@@ -48,7 +48,7 @@ async def test_a_hung_forward_exits_7_and_ends_in_the_dead_letter(chaos_stack: S
         exits = re.findall(r"exited: worker \(exit status (\d+)", sup_log)
         keys = Keys(chaos_stack.settings["key_prefix"])
         runs = read_executions(await chaos_redis.hkeys(keys.executions("synthetic")))
-        record_figures(f"[chaos] 10A hung forward: wall_s={wall_s:.1f} exits={exits} hung={hung.status} "
+        record_figures(f"[chaos] 14A hung forward: wall_s={wall_s:.1f} exits={exits} hung={hung.status} "
                        f"normal={[r.status for r in normal]} executions={sorted(len(p) for p in runs.values())}")
         assert (hung.status, hung.code) == (500, "model_error") and "dead-letter" in (hung.message or ""), hung
         assert [r.status for r in normal] == [200] * 5
@@ -82,5 +82,5 @@ async def test_a_second_sigterm_exits_at_once_during_a_hung_forward(chaos_stack:
         code = await asyncio.to_thread(worker.wait, 10)
         exited_after_s = time.monotonic() - second_s
         await request
-    record_figures(f"[chaos] 10B second SIGTERM mid-forward: exit_code={code} exited_after_s={exited_after_s:.2f}")
+    record_figures(f"[chaos] 14B second SIGTERM mid-forward: exit_code={code} exited_after_s={exited_after_s:.2f}")
     assert code == 4 and exited_after_s < 2.0

@@ -1,4 +1,4 @@
-"""Scenario 9: Redis replies lost on the way back, so redis-py re-sends commands that already ran.
+"""Scenario 13: Redis replies lost on the way back, so redis-py re-sends commands that already ran.
 
 1. The gateway and two workers (fault injection on, so executions are recorded; max_deliveries
    2) reach Redis through a proxy (tests/proxy.py) that cuts the connection instead of
@@ -62,7 +62,7 @@ async def test_lost_replies_run_nothing_twice(chaos_stack, chaos_redis, redis_se
         keys = Keys(chaos_stack.settings["key_prefix"])
         repeated = await check_executions(chaos_redis, keys.prefix, load.tally, workers.died)
         reclaimed = count_logged(chaos_stack.log_dir, "entry reclaimed")
-        load.tally.report(f"9 lost replies ({'delayed' if delay_s else 'cut'})", wall_s, replies_lost=proxy.lost,
+        load.tally.report(f"13 lost replies ({'delayed' if delay_s else 'cut'})", wall_s, replies_lost=proxy.lost,
                           ran_twice=repeated, reclaimed=reclaimed)
         load.tally.assert_exactly_once()
         assert load.tally.ok == REQUESTS, load.tally.errors
