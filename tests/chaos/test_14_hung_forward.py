@@ -1,7 +1,8 @@
 """Scenario 14: a forward that never returns, and signals while one runs.
 
-A. 1. A real supervisord runs one synthetic worker (fault injection on, forward timeout 2 s,
-      max_deliveries 2); five normal requests and one {"fault": "hang"} are sent together.
+A. 1. A real supervisord, with the shipped deploy/supervisord.conf, runs one synthetic worker
+      (fault injection on, forward timeout 2 s, max_deliveries 2); five normal requests and one
+      {"fault": "hang"} are sent together.
    2. The hanging forward passes its timeout: the worker logs "forward hung" with the request
       ids it held and exits 7 (ExitCode.FORWARD_HUNG); supervisord restarts it under its name;
       the restarted worker takes its pending entries back, each run alone.
@@ -35,8 +36,7 @@ async def test_a_hung_forward_exits_7_and_ends_in_the_dead_letter(chaos_stack: S
     chaos_stack.start_gateway()
     folder = tmp_path / "sup"
     folder.mkdir()
-    supervised = SupervisedWorker(folder, service_env(chaos_stack.redis_url, **chaos_stack.settings,
-                                                      worker_name="hang-0"))
+    supervised = SupervisedWorker(folder, service_env(chaos_stack.redis_url, **chaos_stack.settings))
     supervised.start()
     try:
         await chaos_stack.wait_ready(timeout_s=60)
@@ -45,7 +45,7 @@ async def test_a_hung_forward_exits_7_and_ends_in_the_dead_letter(chaos_stack: S
             hung, *normal = await asyncio.gather(load.request({"fault": "hang"}), *(load.request() for _ in range(5)))
         wall_s = time.monotonic() - started
         sup_log = (folder / "supervisord.log").read_text()
-        exits = re.findall(r"exited: worker \(exit status (\d+)", sup_log)
+        exits = re.findall(rf"exited: {re.escape(supervised.process)} \(exit status (\d+)", sup_log)
         keys = Keys(chaos_stack.settings["key_prefix"])
         runs = read_executions(await chaos_redis.hkeys(keys.executions("synthetic")))
         record_figures(f"[chaos] 14A hung forward: wall_s={wall_s:.1f} exits={exits} hung={hung.status} "
@@ -53,7 +53,7 @@ async def test_a_hung_forward_exits_7_and_ends_in_the_dead_letter(chaos_stack: S
         assert (hung.status, hung.code) == (500, "model_error") and "dead-letter" in (hung.message or ""), hung
         assert [r.status for r in normal] == [200] * 5
         assert exits == ["7", "7"], sup_log
-        assert (folder / "worker.log").read_text().count('"forward hung; exiting for a restart"') == 2
+        assert supervised.worker_log.read_text().count('"forward hung; exiting for a restart"') == 2
         assert await chaos_redis.xlen(keys.dead_letter_stream("synthetic")) == 1
         assert all(len(runs[r.request_id]) <= 2 for r in normal), runs
     finally:
