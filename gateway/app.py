@@ -30,6 +30,7 @@ from gateway.openapi import install_schemas
 from gateway.queues import ensure_groups
 from gateway.replies import ReplyListener
 from gateway.routes import health_router, require_api_key, router
+from shared.clocksync import ClockSync
 from shared.errors import (
     DeadlineExceededError,
     ModelError,
@@ -65,6 +66,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
+        clock = ClockSync(redis)
+        await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
         try:
             await check_eviction_policy(redis, settings)  # raises RuntimeError under redis_eviction_check=refuse
@@ -82,6 +85,7 @@ def create_app(settings: Settings) -> FastAPI:
             await drain_requests(app)
             await health.stop()
             await listener.stop()
+            await clock.stop()
             await blocking.aclose()
             await redis.aclose()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})

@@ -28,19 +28,27 @@ from shared.errors import (
 )
 from shared.keys import Keys
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from shared.redis_client import describe_data_loss, is_out_of_memory
+from shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Admission, atomic (issue 4), on the model's hash slot only. KEYS: request stream. ARGV: queue_bound,
-# entry field, packed request. Entries are XACK'd and XDEL'd together once answered, so XLEN =
-# queued + in flight; at the bound nothing is added (never trim accepted entries to make room):
-# returns {0, depth}, else {1, id}.
+# Admission, atomic (issue 4), on the model's hash slot only, and idempotent per request id.
+# KEYS: request stream, the request's admission record (same slot: shared/keys.py). ARGV:
+# queue_bound, entry field, packed request, admission record TTL ms.
+# - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
+#   have run: the record (request id -> entry id, kept RETRY_WINDOW_S + 1 s) makes the re-sent
+#   script answer the first run's entry id instead of enqueueing, and counting, the request twice.
+# - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
+#   bound nothing is added (never trim accepted entries to make room): returns {0, depth}, else {1, id}.
 ADMISSION = """
+local first = redis.call('GET', KEYS[2])
+if first then return {1, first} end
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
-return {1, redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])}
+local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+redis.call('SET', KEYS[2], id, 'PX', ARGV[4])
+return {1, id}
 """
 
 # The reply stream, on this gateway's hash slot. KEYS: reply stream. ARGV: init field, maxlen, TTL s.
@@ -53,6 +61,7 @@ redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', ARGV[1], '1')
 redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
+ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 
 
 class Dispatcher:
@@ -185,8 +194,8 @@ class Dispatcher:
         results = await asyncio.gather(
             self._ensure_reply(keys=[self._listener.stream], args=[
                 INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
-            self._admission(keys=[self._keys.request_stream(model)],
-                            args=[config.queue_bound, ENTRY_FIELD, message.encode()]),
+            self._admission(keys=[self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
+                            args=[config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
             return_exceptions=True,  # both always finish; the first error is raised below
         )
         recreated, admitted = results

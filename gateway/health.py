@@ -3,7 +3,8 @@
 A background task refreshes, every heartbeat interval, which workers of each served model
 have a fresh heartbeat (sorted set `keys.worker_index(model)`, score = epoch ms of the last
 beat) and what their heartbeat hash says. Admission (`require_worker`) and `/health/ready`
-read this cached view, so no request pays a Redis round trip for it.
+read this cached view, so no request pays a Redis round trip for it. Admission also accepts
+while a model's workers can be expected back (gateway/expected.py), though readiness says no.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from gateway.expected import ReturnWatch
 from shared.clock import now_ms
 from shared.errors import UnavailableError
 from shared.heartbeat import WorkerBeat
@@ -45,6 +47,7 @@ class Health:
         self._keys = keys
         self.view = HealthView(workers={m: {} for m in settings.served_models})
         self.shutting_down = False
+        self.returns = ReturnWatch(settings.worker_return_grace_s)
         self._refresher = Periodic("health-refresh", self.refresh, settings.heartbeat_interval_ms / 1000)
 
     async def start(self) -> None:
@@ -58,11 +61,14 @@ class Health:
         """Re-read the worker index and heartbeats; never raises (a Redis failure is recorded)."""
         now = now_ms()
         oldest = now - self._settings.heartbeat_ttl_ms
+        kept_from = now - max(self._settings.heartbeat_ttl_ms, self.returns.grace_ms)  # evidence for ReturnWatch
         try:
             workers: dict[str, dict[str, WorkerBeat]] = {}
             for model in self._settings.served_models:
                 index = self._keys.worker_index(model)
-                await self._redis.zremrangebyscore(index, "-inf", f"({oldest}")
+                await self._redis.zremrangebyscore(index, "-inf", f"({kept_from}")
+                newest = cast(list[tuple[bytes, float]], await self._redis.zrevrange(index, 0, 0, withscores=True))
+                self.returns.saw(model, newest[0][1] if newest else None)
                 ids = cast(list[bytes], await self._redis.zrangebyscore(index, oldest, "+inf"))
                 async with self._redis.pipeline(transaction=False) as pipe:
                     for worker_id in ids:
@@ -72,6 +78,9 @@ class Health:
                     wid.decode(): WorkerBeat.from_hash(beat) for wid, beat in zip(ids, beats, strict=True) if beat
                 }
             self.view = HealthView(redis_ok=True, redis_error="", workers=workers, refreshed_ms=now)
+            for model in self._settings.served_models:
+                if self.live_workers(model):
+                    self.returns.saw(model, now)
         except RedisError as exc:
             self.view = HealthView(redis_ok=False, redis_error=str(exc) or type(exc).__name__, refreshed_ms=now)
 
@@ -99,12 +108,14 @@ class Health:
         return None
 
     def require_worker(self, model: str) -> None:
-        """Raise UnavailableError unless Redis answered and `model` has a live, ready worker."""
+        """Raise UnavailableError unless Redis answered and `model` has a live, ready worker, or
+        one was live within worker_return_grace_s (it is restarting: the request waits for it,
+        up to its deadline)."""
         if self.shutting_down:
             raise UnavailableError("the gateway is shutting down")
         if not self.view.redis_ok:
             raise UnavailableError("the broker is unreachable; retry later", detail=self.view.redis_error)
-        if not self.live_workers(model):
+        if not self.live_workers(model) and not self.returns.expected(model, now_ms()):
             raise UnavailableError(f"no live worker serves model {model!r}")
 
     def readiness(self) -> tuple[bool, dict[str, object]]:

@@ -105,6 +105,13 @@ class UnavailableError(VramguardError):
     http_status = 503
 
 
+class InternalError(VramguardError):
+    """A bug in vramguard itself (not the model): e.g. a worker's batch task raised. Never retried."""
+
+    code = "internal"
+    http_status = 500
+
+
 class DeadlineExceededError(VramguardError):
     """The request was not answered before its `deadline_ms`."""
 
@@ -126,6 +133,7 @@ _BY_CODE: dict[str, type[VramguardError]] = {
         ModelError,
         UnavailableError,
         DeadlineExceededError,
+        InternalError,
     )
 }
 

@@ -61,6 +61,7 @@ class WorkerBeat:
     probes: int = 0
     probe_failures: int = 0
     failed_batches_in_row: int = 0
+    batch_task_failures: int = 0  # batch tasks that raised; their requests got 500 internal (worker/batch_errors.py)
     # --- throughput, last minute ---
     items_per_s: float = 0.0
     mean_batch_size_1m: float = 0.0

@@ -4,7 +4,10 @@
     <prefix>:rep:{<gateway_id>}   reply stream of one gateway process
     <prefix>:dlq:{<model>}        dead-letter stream
     <prefix>:hb:{<worker_id>}     heartbeat hash (with a TTL)
-    <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms)
+    <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
+    <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
+    <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
+    <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
 one model's keys share a slot (the dead-letter MULTI touches its request and dead-letter streams
@@ -39,6 +42,15 @@ class Keys:
 
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{{{model}}}"
+
+    def admission(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:adm:{{{model}}}:{request_id}"
+
+    def claim_record(self, model: str, worker_id: str) -> str:
+        return f"{self.prefix}:claim:{{{model}}}:{worker_id}"
+
+    def executions(self, model: str) -> str:
+        return f"{self.prefix}:exec:{{{model}}}"
 
 
 def hash_tag(key: str) -> str:

@@ -88,6 +88,8 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
                 "Last successful probe or batch, epoch seconds.", 1e-3),
     FieldMetric("probes", PREFIX + "worker_probes", "counter", "Idle probe forwards run by the watchdog."),
     FieldMetric("probe_failures", PREFIX + "worker_probe_failures", "counter", "Idle probes that failed."),
+    FieldMetric("batch_task_failures", PREFIX + "worker_batch_task_failures", "counter",
+                "Batch tasks that raised unexpectedly; their requests got 500 internal."),
     FieldMetric("gpu_utilization_percent", PREFIX + "worker_gpu_utilization_ratio", "gauge",
                 "GPU busy fraction from NVML (CUDA workers only).", 0.01),
     # Memory fields, published by the memory budget where present.

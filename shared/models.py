@@ -44,6 +44,8 @@ class ModelConfig(BaseModel):
     queue_bound: queued + in-flight entries past which the gateway answers 429.
     max_inflight_batches: forwards one worker may run at once (1 = strictly serial).
     max_inputs_per_request: inputs one request may carry; the gateway answers 413 past it, before enqueueing.
+    forward_timeout_s: a forward running longer means it hung (worker/hang.py); None derives it from
+        the forward time measured at warmup.
     params: model-specific parameters, validated by the model implementation.
     """
 
@@ -55,6 +57,7 @@ class ModelConfig(BaseModel):
     queue_bound: int = Field(1000, ge=1)
     max_inflight_batches: int = Field(1, ge=1, le=64)
     max_inputs_per_request: int = Field(256, ge=1)
+    forward_timeout_s: float | None = Field(None, gt=0)
     params: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -78,6 +81,7 @@ class ModelOverrides(BaseModel):
     queue_bound: int | None = None
     max_inflight_batches: int | None = None
     max_inputs_per_request: int | None = None
+    forward_timeout_s: float | None = None
     params: dict[str, float] | None = None
 
 

@@ -38,6 +38,11 @@ POOL_MAX_CONNECTIONS = 64  # per process (per node under Cluster); more concurre
 # Retries span a Sentinel failover's promotion gap (down-after-milliseconds + election): the
 # jittered backoff caps at 0.5 s, so 6 tries wait up to ~2 s before the error reaches the client.
 RETRIES = 6
+BACKOFF_CAP_S = 0.5
+# The longest a command can still be re-sent after it first reached Redis: every attempt may
+# wait out its timeout, then back off. A command that must not run twice keeps a record of its
+# first run at least this long (the admission and claim scripts), so a re-sent copy finds it.
+RETRY_WINDOW_S = (RETRIES + 1) * (COMMAND_TIMEOUT_S + CONNECT_TIMEOUT_S) + RETRIES * BACKOFF_CAP_S
 # Policies under which Redis may delete vramguard's keys when it reaches maxmemory.
 SAFE_POLICY = "noeviction"
 
@@ -48,7 +53,9 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionP
 
 
 def _retry(retries: int = RETRIES) -> Retry:
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=retries)
+    # A re-sent command may already have run (its reply was lost): every command sent through
+    # these clients is idempotent or carries its own record of a first run.
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=retries)
 
 
 def _retry_on() -> list[type[RedisError]]:

@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     block_ms: int = Field(1000, ge=10, le=60_000)  # XREADGROUP / XREAD BLOCK while idle
     heartbeat_interval_ms: int = Field(1000, ge=50)
     heartbeat_ttl_ms: int = Field(5000, ge=100)  # a worker is live while its heartbeat is younger
+    # Gateway: a model whose workers were live within this many seconds keeps accepting requests while
+    # none is live (they are restarting); past it, or never seen, 503 at once. 0: 503 as soon as none is live.
+    worker_return_grace_s: float = Field(30.0, ge=0, le=3600)
     reply_stream_ttl_s: int = Field(60, ge=5)  # a dead gateway's reply stream expires after this
     reply_stream_maxlen: int = Field(10_000, ge=100)
     shutdown_grace_s: float = Field(10.0, gt=0)

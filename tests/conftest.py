@@ -8,10 +8,14 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import redis
 import redis.asyncio as aioredis
 
 from shared.settings import Settings
+from tests.ci import require_part
 from tests.helpers import RedisServer, Stack
+
+MIN_REDIS = (6, 2)
 
 FOLDER_MARKS = {"unit": "unit", "deploy": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
 
@@ -30,6 +34,11 @@ def redis_server() -> Iterator[RedisServer]:
     """One real redis-server for the session (persistence off, free port)."""
     server = RedisServer()
     server.start()
+    with redis.Redis(port=server.port) as client:
+        version = client.info("server")["redis_version"]
+    if tuple(int(p) for p in str(version).split(".")[:2]) < MIN_REDIS:  # XAUTOCLAIM, XPENDING IDLE
+        server.stop()
+        require_part(False, f"redis-server {version} is older than {MIN_REDIS}")
     yield server
     server.stop()
 

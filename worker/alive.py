@@ -15,7 +15,7 @@ import sys
 
 from redis.exceptions import RedisError
 
-from shared.clock import now_ms
+from shared.clock import now_ms, sync_to_redis
 from shared.keys import Keys
 from shared.redis_client import connect
 from shared.settings import Settings, SettingsError
@@ -25,6 +25,7 @@ async def check(settings: Settings) -> tuple[bool, str]:
     """(alive, why) for the worker named settings.consumer_name. Never raises for Redis errors."""
     redis = connect(settings)
     try:
+        await sync_to_redis(redis)  # beat_ms is on Redis' clock (shared/clock.py); this host's may differ
         beat = await redis.hget(Keys(settings.key_prefix).heartbeat(settings.consumer_name), "beat_ms")
     except RedisError as exc:
         return True, f"Redis unreachable, not judging the worker: {exc}"

@@ -19,6 +19,7 @@ an error reply to its caller (publish.py). Never imports torch.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,9 +28,10 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from shared.errors import ModelError
-from shared.keys import GROUP
+from shared.keys import GROUP, Keys
 from shared.periodic import Periodic
 from shared.protocol import EntryId, ReplyMessage
+from shared.redis_client import RETRY_WINDOW_S
 from shared.settings import Settings
 from worker.batcher import Entry, decode_entry
 from worker.publish import DeadLetter, Outgoing, publish_replies
@@ -50,14 +52,49 @@ end
 return n
 """
 
-# Claim (and so re-deliver: delivery_count + 1) ARGV[3] only if this consumer still owns it.
-_CLAIM_OWN = """
-local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
-if #p == 1 and p[1][2] == ARGV[2] then
-  return redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3])
+# One claim, safe to re-send (redis-py re-sends a command whose reply was lost, and a claim run
+# twice would raise an innocent entry's delivery_count twice, so it reaches the dead letter
+# early). KEYS: request stream, this worker's claim record. ARGV: group, consumer, claim token
+# (fresh per claim), mode, entry id ("own") or min idle ms ("auto"), cursor, record TTL ms.
+# - "own": XCLAIM ARGV[5] (delivery_count + 1) only if this consumer still owns it;
+# - "auto": XAUTOCLAIM COUNT 1 from the cursor (delivery_count + 1).
+# The record "<token> <cursor> <entry id>" makes a re-sent claim with the same token answer the
+# first run instead of claiming again; if another worker took the entry meanwhile (a reply lost
+# for longer than claim_idle_ms), it is no longer ours and nothing is returned.
+# Returns {cursor, entry id or '', delivery_count, fields}.
+_CLAIM = """
+local cursor, id = '0-0', ''
+local rec = redis.call('GET', KEYS[2])
+local head = ARGV[3] .. ' '
+if rec and string.sub(rec, 1, #head) == head then
+  local rest = string.sub(rec, #head + 1)
+  local sp = string.find(rest, ' ', 1, true)
+  cursor, id = string.sub(rest, 1, sp - 1), string.sub(rest, sp + 1)
+else
+  if ARGV[4] == 'own' then
+    local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[5], ARGV[5], 1)
+    if #p == 1 and p[1][2] == ARGV[2] then
+      redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[5])
+      id = ARGV[5]
+    end
+  else
+    local r = redis.call('XAUTOCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[5], ARGV[6], 'COUNT', 1)
+    cursor = r[1]
+    if r[2][1] then id = r[2][1][1] end
+  end
+  redis.call('SET', KEYS[2], head .. cursor .. ' ' .. id, 'PX', ARGV[7])
 end
-return {}
+local p = {}
+if id ~= '' then p = redis.call('XPENDING', KEYS[1], ARGV[1], id, id, 1) end
+-- Gone, or taken by another worker while our reply was lost (it idled past claim_idle_ms).
+if #p == 0 or p[1][2] ~= ARGV[2] then return {cursor, '', 0, {}} end
+local count = p[1][4]
+local e = redis.call('XRANGE', KEYS[1], id, id)
+local fields = {}
+if e[1] then fields = e[1][2] end
+return {cursor, id, count, fields}
 """
+CLAIM_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 
 # Remove consumers idle longer than ARGV[2] ms that have no pending entries (a dead worker's
 # name), never ARGV[3] (ourselves). XGROUP DELCONSUMER destroys a consumer's pending entries, so
@@ -112,7 +149,8 @@ class Reclaimer:
         self._scans = 0
         self._refresh = redis.register_script(_REFRESH)
         self._clean = redis.register_script(_CLEAN_CONSUMERS)
-        self._claim_own = redis.register_script(_CLAIM_OWN)
+        self._claim = redis.register_script(_CLAIM)
+        self._claim_record = Keys(settings.key_prefix).claim_record(settings.model, worker_id)
         self._scanner = Periodic("reclaim", self.scan, settings.reclaim_interval_ms / 1000)
         self.claimed = 0
         self.dead_lettered = 0
@@ -181,40 +219,40 @@ class Reclaimer:
         left, which clears `has_work`. Raises RedisError (nothing is lost: the entry stays pending).
         """
         while self._own:
-            entry_id = self._own[0]
-            raw = await self._claim_own(keys=[self._stream], args=[GROUP, self._worker_id, entry_id])
+            suspect = await self._claim_once("own", self._own[0])
             self._own.popleft()
-            claimed = [(eid, dict(zip(flat[::2], flat[1::2], strict=True)) if flat else None) for eid, flat in raw]
-            suspect = await self._suspect(claimed)
             if suspect is not None:
                 return suspect
         while self._stale_seen:
-            reply = await self._redis.xautoclaim(
-                self._stream, GROUP, self._worker_id, self._settings.claim_idle_ms, start_id=self._cursor, count=1
-            )
-            cursor, claimed = reply[0], reply[1]
-            self._cursor = _text(cursor)
-            suspect = await self._suspect(claimed)
+            suspect = await self._claim_once("auto", self._settings.claim_idle_ms)
             if suspect is not None:
                 return suspect
             if self._cursor == "0-0":
                 self._stale_seen = False  # the whole PEL was scanned; the next scan decides again
         return None
 
-    async def _suspect(self, claimed: list[tuple[bytes, dict[bytes, bytes] | None]]) -> Suspect | None:
-        if not claimed:
+    async def _claim_once(self, mode: str, target: int | str) -> Suspect | None:
+        """Run the _CLAIM script once (a fresh token, so only redis-py's own re-send of this very
+        call is answered from the record); None when nothing was claimed or the entry is gone."""
+        token = uuid.uuid4().hex
+        cursor, raw_id, count, flat = await self._claim(
+            keys=[self._stream, self._claim_record],
+            args=[GROUP, self._worker_id, token, mode, target, self._cursor, CLAIM_RECORD_TTL_MS],
+        )
+        if mode == "auto":
+            self._cursor = _text(cursor)
+        if not raw_id:
             return None
-        raw_id, fields = claimed[0]
-        entry_id = EntryId(raw_id.decode())
-        if not fields:
+        entry_id = EntryId(_text(raw_id))
+        if not flat:
             # Deleted from the stream but still pending (Redis < 7 keeps it in the PEL): nothing to serve.
             await self._redis.xack(self._stream, GROUP, entry_id)
             return None
         self.claimed += 1
-        info = await self._redis.xpending_range(self._stream, GROUP, min=entry_id, max=entry_id, count=1)
-        count = int(info[0]["times_delivered"]) if info else 1
-        log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": count, "worker_id": self._worker_id})
-        return Suspect(decode_entry(raw_id, fields), count)
+        log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": int(count),
+                                           "worker_id": self._worker_id})
+        fields = dict(zip(flat[::2], flat[1::2], strict=True))
+        return Suspect(decode_entry(raw_id if isinstance(raw_id, bytes) else entry_id.encode(), fields), int(count))
 
     def exhausted(self, suspect: Suspect) -> bool:
         """True when `suspect` has used up `max_deliveries` and must not run again."""

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict
 from enum import IntEnum
 from typing import Any
@@ -27,7 +28,8 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from shared.clock import monotonic_ms
+from shared.clock import monotonic_ms, now_ms
+from shared.clocksync import ClockSync
 from shared.errors import UnavailableError
 from shared.heartbeat import WorkerBeat
 from shared.keys import GROUP, Keys
@@ -35,8 +37,10 @@ from shared.protocol import EntryId
 from shared.redis_client import check_eviction_policy, connect, connect_blocking
 from shared.settings import Settings
 from worker.backend import ModelBackend
+from worker.batch_errors import answer_internal_error
 from worker.batcher import Batcher, Entry
 from worker.execute import CudaContextLost, run_batch
+from worker.hang import HangGuard, derive_forward_timeout_s, exit_now
 from worker.heartbeat import Heartbeat, WorkerStats
 from worker.ledger import PlacementError
 from worker.memory import MemoryBudget, MemoryPlanError, start_budget
@@ -58,6 +62,7 @@ class ExitCode(IntEnum):
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
+    FORWARD_HUNG = 8  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
 
 
 class Worker:
@@ -80,9 +85,12 @@ class Worker:
         self._max_batches = max_batches
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
-        self.watchdog = Watchdog(settings, backend, self._unhealthy)
+        self.hang = HangGuard(self._hung)
+        self.watchdog = Watchdog(settings, backend, self._unhealthy, hang=self.hang)
+        self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
+        self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
         self._held: set[EntryId] = set()  # entries of batches being served (kept fresh by reclaim)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
@@ -101,9 +109,13 @@ class Worker:
             loop.add_signal_handler(sig, self.handle_exit, sig)
 
     def handle_exit(self, sig: int) -> None:
-        """First signal: drain. Second: force (uvicorn's two-step shutdown)."""
+        """First signal: drain. Second: force (uvicorn's two-step shutdown); at once while a
+        forward runs, since its thread cannot be interrupted (worker/hang.py)."""
         if self.should_exit:
             self.force_exit = True
+            if self.hang.forward_running:
+                exit_now(ExitCode.FORCED, "second signal during a forward; exiting at once",
+                         signal=signal.Signals(sig).name, worker_id=self.worker_id)
         self.should_exit = True
         log.info("signal received", extra={"signal": signal.Signals(sig).name, "force": self.force_exit})
 
@@ -123,18 +135,24 @@ class Worker:
             self.settings, redis, self.stream, self.keys.dead_letter_stream(self.settings.model), self.worker_id,
             self.held_entries,
         )
+        clock = ClockSync(redis)
         try:
             await self.ensure_group(redis)
+            await clock.start()  # deadlines and heartbeats on Redis' clock (shared/clock.py)
+            self.stats.started_ms = now_ms()
             await check_eviction_policy(redis, self.settings)
             await asyncio.to_thread(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
         except (RedisError, RuntimeError) as exc:  # RuntimeError: an evicting Redis under eviction_check=refuse
+            await clock.stop()
             log.error("cannot use Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except PlacementError as exc:
+            await clock.stop()
             log.error("memory share refused: the GPU is already fully shared", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
+            await clock.stop()
             log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except BackendContractError as exc:
@@ -147,15 +165,19 @@ class Worker:
         assert budget is not None
         self._server = BatchServer(
             self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
-            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost,
+            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, hang=self.hang,
         )
+        self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
+                                                     self.config.max_batch_size)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
         heartbeat.start()
         reclaimer.start()
+        self.hang.start()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
-                                        "device": self.backend.device, "settings": self.settings.masked()})
+                                        "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
+                                        "settings": self.settings.masked()})
         try:
             await self._serve_forever(redis, blocking)
             if self.watchdog.unhealthy_reason is not None:
@@ -163,6 +185,8 @@ class Worker:
             self.stats.state = "draining"
             return await self._drain(redis)
         finally:
+            await clock.stop()
+            await self.hang.stop()
             await reclaimer.stop()
             await heartbeat.stop()
 
@@ -190,13 +214,18 @@ class Worker:
 
     def _run_examples(self) -> None:
         """The warmup batch. Raises BackendContractError when the model fails its own example inputs
-        or returns what it does not declare, UnavailableError when an engine it calls is down."""
+        or returns what it does not declare, UnavailableError when an engine it calls is down. Its
+        duration feeds the derived forward timeout (worker/hang.py)."""
         model = self.settings.model
         try:
             items = self.backend.decode(self.backend.example_inputs(), {})
         except Exception as exc:
             raise BackendContractError(f"model {model!r}: decode(example_inputs()) raised {exc!r}") from exc
+        started = monotonic_ms()
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
+        elapsed_s = (monotonic_ms() - started) / 1000
+        if elapsed_s >= self._warmup_forward[0]:  # the forward timeout is derived from the slowest
+            self._warmup_forward = (elapsed_s, len(items))
         failed = next((r for r in results if not r.ok), None)
         if failed is not None and failed.error_code == UnavailableError.code:
             raise UnavailableError(f"warmup: {failed.error_message}")
@@ -309,6 +338,11 @@ class Worker:
         self._held.update(ids)
         try:
             await self._server.serve(redis, entries)
+        except Exception as exc:  # noqa: BLE001 - a bug in our own code: answer now, never lose it
+            self.batch_task_failures += 1
+            await answer_internal_error(
+                redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
+                worker_id=self.worker_id, entries=entries, exc=exc, reply_maxlen=self.settings.reply_stream_maxlen)
         finally:
             self._held.difference_update(ids)
 
@@ -316,6 +350,12 @@ class Worker:
         """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""
         self.fatal = ExitCode.CUDA_CONTEXT_LOST
         self.should_exit = self.force_exit = True
+
+    def _hung(self, running_s: float, what: str, request_ids: Sequence[str]) -> None:
+        """A forward ran past the forward timeout: report it and leave at once, un-acked."""
+        exit_now(ExitCode.FORWARD_HUNG, "forward hung; exiting for a restart", worker_id=self.worker_id,
+                 model=self.settings.model, forward=what, running_s=round(running_s, 1),
+                 forward_timeout_s=self.hang.limit_s, request_ids=list(request_ids))
 
     def _unhealthy(self, reason: str) -> None:
         """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""
@@ -327,7 +367,7 @@ class Worker:
         """This worker's heartbeat record now: identity and placement, configured batching, the
         counters, the watchdog, the metrics and the memory budget."""
         parts: dict[str, Any] = {
-            **asdict(self.stats), **self.watchdog.heartbeat_fields(),
+            **asdict(self.stats), **self.watchdog.heartbeat_fields(), "batch_task_failures": self.batch_task_failures,
             **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches),
             **(self.budget.heartbeat_fields() if self.budget is not None else {}),
         }

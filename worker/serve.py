@@ -24,7 +24,9 @@ from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.batcher import Entry
 from worker.costing import group_by_cost
+from worker.execlog import ExecutionLog
 from worker.execute import CudaContextLost, ItemResult, run_batch
+from worker.hang import HangGuard
 from worker.heartbeat import WorkerStats
 from worker.memory import MemoryBudget
 from worker.metrics import WorkerMetrics
@@ -44,7 +46,7 @@ class BatchServer:
     def __init__(
         self, settings: Settings, backend: ModelBackend, worker_id: str, *, stats: WorkerStats,
         metrics: WorkerMetrics, watchdog: Watchdog, budget: MemoryBudget | None,
-        on_context_lost: Callable[[], None],
+        on_context_lost: Callable[[], None], hang: HangGuard | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -57,6 +59,8 @@ class BatchServer:
         self._watchdog = watchdog
         self.budget = budget
         self._on_context_lost = on_context_lost
+        self._executions = ExecutionLog(settings)
+        self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a hung forward
         # Set once any forward of this worker lost the device context: from then on no forward's
         # results are published, also those of concurrent batches that finished afterwards,
         # since they ran on a device that can no longer be trusted.
@@ -125,12 +129,15 @@ class BatchServer:
         """Run one cost group and publish its replies. False when the device context was lost
         (the entries stay pending, un-acked, and the worker exits)."""
         items = [item for _entry, entry_items in group for item in entry_items]
+        request_ids = [e.message.request_id for e, _i in group if e.message is not None]
+        await self._executions.record(redis, request_ids)
         started = monotonic_ms()
         try:
-            results, stats = await asyncio.to_thread(
-                run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
-                costs=[c for entry_costs in costs for c in entry_costs],
-            )
+            with self._hang.forward("batch", request_ids):
+                results, stats = await asyncio.to_thread(
+                    run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
+                    costs=[c for entry_costs in costs for c in entry_costs],
+                )
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
                       extra={"error": str(exc), "batch_size": len(items)})
@@ -143,6 +150,8 @@ class BatchServer:
         outgoing = self._replies(group, results, len(items), batch_start_ms, costs)
         delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
         self._watchdog.record_batch(results)
+        if self._watchdog.verify_due:  # many failed batches in a row: the inputs, or the device?
+            await self._watchdog.verify()
         self._metrics.observe_batch(len(items), delays_ms, duration_ms)
         log.info("batch done", extra={"model": self._settings.model, "worker_id": self.worker_id,
                                       "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,

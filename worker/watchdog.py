@@ -2,8 +2,9 @@
 
 Two signals: an idle probe (a tiny forward through the backend's example inputs once the
 worker has served nothing for `probe_interval_s`) and the run of consecutive failed batches
-(every item failed with model_error; `max_consecutive_failed_batches`). A failing probe (a
-CUDA error above all) or too many failed batches marks the worker unhealthy for good: its
+(every item failed with model_error; `max_consecutive_failed_batches`). Failed batches alone
+prove nothing (five bad inputs in a row look the same), so that run triggers a probe on the
+known-good inputs; only a failing probe (a CUDA error above all) marks the worker unhealthy for good: its
 heartbeat says so, it stops reading and exits ExitCode.UNHEALTHY so supervisor restarts it
 with a fresh CUDA context. A worker never reports healthy again after its device broke.
 Never touches Redis.
@@ -20,6 +21,7 @@ from shared.errors import ModelError, UnavailableError
 from shared.settings import Settings
 from worker.backend import ModelBackend
 from worker.execute import ItemResult
+from worker.hang import HangGuard
 
 log = logging.getLogger(__name__)
 
@@ -31,8 +33,12 @@ class Watchdog:
     readiness checks for recency (gateway/health.py).
     """
 
-    def __init__(self, settings: Settings, backend: ModelBackend, on_unhealthy: Callable[[str], None]) -> None:
+    def __init__(
+        self, settings: Settings, backend: ModelBackend, on_unhealthy: Callable[[str], None],
+        *, hang: HangGuard | None = None,
+    ) -> None:
         self._backend = backend
+        self._hang = hang or HangGuard(lambda *_: None)
         self._on_unhealthy = on_unhealthy
         self._interval_ms = settings.probe_interval_s * 1000
         self._max_failed = settings.max_consecutive_failed_batches
@@ -60,9 +66,7 @@ class Watchdog:
             return
         self._last_activity_ms = monotonic_ms()
         if all(r.error_code == ModelError.code for r in results):
-            self.failed_in_row += 1
-            if self.failed_in_row >= self._max_failed:
-                self._fail(f"{self.failed_in_row} consecutive batches failed")
+            self.failed_in_row += 1  # verify_due tells the caller to probe
             return
         self.failed_in_row = 0
         if any(r.ok for r in results):
@@ -73,13 +77,29 @@ class Watchdog:
         """True when healthy and nothing was computed for `probe_interval_s`."""
         return self.unhealthy_reason is None and monotonic_ms() - self._last_activity_ms >= self._interval_ms
 
-    async def probe(self) -> bool:
+    @property
+    def verify_due(self) -> bool:
+        """True when `max_consecutive_failed_batches` batches in a row failed: call `verify`."""
+        return self.unhealthy_reason is None and self.failed_in_row >= self._max_failed
+
+    async def verify(self) -> bool:
+        """Probe the known-good inputs after a run of failed batches. Passing: the inputs were
+        at fault, the run is forgotten. Failing: unhealthy, naming both. Returns whether it passed."""
+        failed = self.failed_in_row
+        passed = await self.probe(context=f"after {failed} consecutive batches failed")
+        if passed:
+            self.failed_in_row = 0
+            log.warning("batches failed but the probe passed: the inputs were at fault", extra={"batches": failed})
+        return passed
+
+    async def probe(self, context: str = "") -> bool:
         """Run one probe forward in a thread; returns whether it passed. A failure marks the
-        worker unhealthy (never raises)."""
+        worker unhealthy (never raises); `context` prefixes the reason."""
         self.probes += 1
         started = monotonic_ms()
         try:
-            await asyncio.to_thread(self._forward)
+            with self._hang.forward("probe"):
+                await asyncio.to_thread(self._forward)
         except UnavailableError as exc:
             # An engine the model calls is down: this worker's own machinery works (it reached the engine
             # and mapped the failure), and a restart would not bring the engine back. It stays live, so
@@ -91,7 +111,7 @@ class Watchdog:
             self.probe_failures += 1
             cuda = "CUDA" in str(exc) or type(exc).__name__ in {"AcceleratorError", "OutOfMemoryError"}
             log.error("probe failed", extra={"error": repr(exc), "cuda_error": cuda})
-            self._fail(f"probe failed: {type(exc).__name__}: {exc}")
+            self._fail(f"{context + ': ' if context else ''}probe failed: {type(exc).__name__}: {exc}")
             return False
         self.mark_ok()
         log.debug("probe passed", extra={"duration_ms": round(monotonic_ms() - started, 2)})

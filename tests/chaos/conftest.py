@@ -15,8 +15,9 @@ import redis.asyncio as aioredis
 from tests.helpers import Stack, wait_until
 
 # claim_idle_ms >= 3 x max(reclaim_interval_ms, heartbeat_interval_ms (200)) + max_wait_ms (5)
+# fault_injection: the workers record each execution (worker/execlog.py) for check_executions.
 CHAOS_SETTINGS: dict[str, object] = {"served_models": "synthetic", "model": "synthetic",
-                                     "claim_idle_ms": 1000, "reclaim_interval_ms": 200}
+                                     "claim_idle_ms": 1000, "reclaim_interval_ms": 200, "fault_injection": "true"}
 
 
 class Supervisor:
@@ -27,6 +28,7 @@ class Supervisor:
         self.settings = settings
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.exits: list[tuple[str, int]] = []
+        self.died: set[int] = set()  # pids that exited non-zero (their batches may run again)
         self.restart = True
         for i in range(n):
             self._start(f"chaos-w{i}")
@@ -43,6 +45,8 @@ class Supervisor:
             for name, proc in list(self.procs.items()):
                 if proc.poll() is not None:
                     self.exits.append((name, proc.returncode))
+                    if proc.returncode != 0:
+                        self.died.add(proc.pid)
                     self._start(name)
             await asyncio.sleep(0.1)
 

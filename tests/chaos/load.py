@@ -1,8 +1,10 @@
 """Closed-loop HTTP load for the chaos scenarios, and the figures each one prints and asserts.
 
 Every request sends a unique integer to the `synthetic` model (which echoes it), so an answer
-that is not the request's own shows up as a duplicate; a request that gets no HTTP answer
-within its deadline plus `slack_s` counts as lost.
+that is not the request's own shows up as foreign; a request that gets no HTTP answer within
+its deadline plus `slack_s` counts as lost. With fault injection on, the workers record every
+execution by request id (worker/execlog.py); `check_executions` turns that into the
+delivery verdict: run at least once, and more than once only when a process died mid-batch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis.asyncio as aioredis
+
+from shared.keys import Keys
+from worker.execlog import read_executions
 
 POOL_CONNECTIONS = 5
 # Below uvicorn's timeout_keep_alive (5 s): a client must drop an idle connection before the
@@ -66,22 +72,21 @@ class Tally:
         return sum(1 for r in self.results if r.status is None)
 
     @property
-    def duplicates(self) -> int:
-        """Answers that were not the request's own: a foreign output, or a request_id seen twice."""
-        ids = Counter(r.request_id for r in self.results if r.request_id)
-        foreign = sum(1 for r in self.results if r.status == 200 and not r.own_output)
-        return foreign + sum(n - 1 for n in ids.values() if n > 1)
+    def foreign(self) -> int:
+        """200 answers whose outputs are not the request's own input (another request's reply)."""
+        return sum(1 for r in self.results if r.status == 200 and not r.own_output)
 
     def report(self, scenario: str, wall_s: float, **extra: object) -> str:
         """Print the figures (and append them to test-artifacts/chaos-figures.txt); returns the line."""
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
         more = "".join(f" {k}={v}" for k, v in extra.items())
         return record_figures(f"[chaos] {scenario}: sent={self.sent} 200={self.ok} errors={{{errors}}} "
-                              f"lost={self.lost} duplicates={self.duplicates} wall_s={wall_s:.1f}{more}")
+                              f"lost={self.lost} foreign={self.foreign} wall_s={wall_s:.1f}{more}")
 
     def assert_exactly_once(self) -> None:
+        """Each request got one HTTP answer, its own (see also `check_executions`)."""
         assert self.lost == 0, [r for r in self.results if r.status is None][:5]
-        assert self.duplicates == 0
+        assert self.foreign == 0
 
 
 class Load:
@@ -182,3 +187,31 @@ def count_logged(log_dir: Path, message: str) -> int:
     """How many log lines of the stack's processes carry `message` (e.g. "entry reclaimed")."""
     needle = f'"message": "{message}"'
     return sum(path.read_text(errors="replace").count(needle) for path in log_dir.glob("*.log"))
+
+
+async def check_executions(redis: aioredis.Redis, key_prefix: str, tally: Tally, died: set[int]) -> int:
+    """Assert the delivery verdict from the workers' execution log (fault injection on): every
+    request answered 200 ran at least once, and a request ran more than once only when all its
+    runs but one were in a process that died (pids in `died`). Returns how many ran more than once."""
+    runs = read_executions(await redis.hkeys(Keys(key_prefix).executions("synthetic")))
+    answered = [r.request_id for r in tally.results if r.status == 200]
+    assert answered, "no request succeeded"
+    never_ran = [rid for rid in answered if rid not in runs]
+    assert not never_ran, f"{len(never_ran)} answered 200 without an execution: {never_ran[:3]}"
+    repeated = {rid: pids for rid, pids in runs.items() if len(pids) > 1}
+    unexplained = {rid: pids for rid, pids in repeated.items() if sum(p not in died for p in pids) > 1}
+    assert not unexplained, f"ran more than once with no death to explain it: {list(unexplained.items())[:3]}"
+    return len(repeated)
+
+
+async def slowest_immediate_answer_s(load: Load, n: int) -> float:
+    """The slowest of `n` concurrent requests the gateway refuses at once (422, an empty input
+    list): the client's and gateway's own queueing of n connections on this machine, now."""
+    async with httpx.AsyncClient(base_url=load.url, timeout=30) as client:
+
+        async def one() -> float:
+            started = time.monotonic()
+            await client.post("/v1/models/synthetic/infer", json={"inputs": []})
+            return time.monotonic() - started
+
+        return max(await asyncio.gather(*(one() for _ in range(n))))

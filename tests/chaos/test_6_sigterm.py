@@ -15,7 +15,7 @@ import signal
 import time
 
 from shared.keys import GROUP, Keys
-from tests.chaos.load import Load, count_logged
+from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import wait_until
 
 GRACE_S = 8
@@ -56,6 +56,7 @@ async def test_sigterm_mid_batch_drains_and_exits_0(chaos_stack, chaos_redis) ->
                  exited_after_s=round(exited_after_s, 1))
     tally.assert_exactly_once()
     assert tally.ok == 11, tally.errors
+    assert await check_executions(chaos_redis, chaos_stack.settings["key_prefix"], tally, set()) == 0
     assert count_logged(chaos_stack.log_dir, "entry reclaimed") == 0
     assert exit_code == 0 and exited_after_s < GRACE_S
     assert await chaos_redis.xlen(stream) == 0

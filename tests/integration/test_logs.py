@@ -57,3 +57,14 @@ async def test_the_access_log_is_off_by_default(stack: Stack, tmp_path: Path) ->
         assert (await client.get("/health/live")).status_code == 200
     stack.stop()
     assert not any(e["logger"] == "uvicorn.access" for e in events(tmp_path / "gateway.log"))
+
+
+@pytest.mark.slow
+async def test_a_minilm_worker_writes_json_lines_only(stack: Stack, tmp_path: Path) -> None:
+    """1. A minilm worker starts (its weights load through transformers, which draws tqdm bars).
+    Result: every line of its log (stdout and stderr) is JSON: no "Loading weights: 100%|..." text."""
+    stack.start_gateway(served_models="minilm")
+    stack.start_worker(model="minilm")
+    await stack.wait_ready()
+    stack.stop()
+    assert any(e["message"] == "worker ready" for e in events(tmp_path / "worker-0.log"))

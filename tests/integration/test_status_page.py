@@ -16,6 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from shared.keys import Keys
+from tests.ci import require_part
 from tests.helpers import ROOT, Stack, wait_until
 from tests.integration.test_metrics import MEMORY_FIELDS, beat_like_a_worker
 
@@ -50,7 +51,6 @@ async def keep_beating(redis: aioredis.Redis, keys: Keys) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary (apt-get install -y chromium; .ci/run does)")
 async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_client, tmp_path: Path) -> None:
     """1. A gateway and a synthetic worker run as processes; 12 requests are served; a simulated
        GPU worker reports memory and its placement through its heartbeat.
@@ -58,6 +58,7 @@ async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_c
     Result: the DOM shows readiness, queue numbers, worker states, throughput, the memory
     numbers and one card per GPU summing its workers; the screenshot is kept in
     test-artifacts/status-page.png."""
+    require_part(CHROMIUM, "no chromium binary (apt-get install -y chromium; .ci/run does)")
     stack.start_gateway(served_models="synthetic")
     stack.start_worker(model="synthetic")
     await stack.wait_ready()

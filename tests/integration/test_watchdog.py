@@ -83,12 +83,32 @@ async def test_a_failing_probe_makes_the_worker_exit_unhealthy(settings_factory,
         await wait_until(lambda: status_is(gw, "/health/ready", 503), 10)
 
 
-async def test_consecutive_failed_batches_make_the_worker_exit(settings_factory, start_worker) -> None:
-    """1. With max_consecutive_failed_batches=2: fail, succeed, fail: the success reset the count.
-    2. One more failure: two in a row.
-    Result: the worker exits ExitCode.UNHEALTHY; a bad input (422) never counted."""
+async def test_bad_inputs_in_a_row_do_not_restart_a_healthy_worker(settings_factory, start_worker) -> None:
+    """1. With max_consecutive_failed_batches=2: five requests in a row whose input makes the
+       model raise (fault injection), each a batch of its own.
+    Result: each gets 500 model_error; every second failed batch triggers a probe on the
+    known-good inputs, which passes, so the count starts over; the worker keeps serving."""
     async with synthetic_gateway(settings_factory) as gw:
         handle = await start_worker(model="synthetic", fault_injection=True, max_consecutive_failed_batches=2)
+        await wait_until(lambda: status_is(gw, "/health/ready", 200), 10)
+
+        async def infer(value: object) -> int:
+            return (await gw.post("/v1/models/synthetic/infer", json={"inputs": [value]})).status_code
+
+        assert [await infer({"fault": "raise"}) for _ in range(5)] == [500] * 5
+        watchdog = handle.worker.watchdog
+        assert watchdog.probes == 2 and watchdog.probe_failures == 0 and watchdog.failed_in_row == 1
+        assert await infer(1) == 200
+        assert not handle.task.done() and watchdog.unhealthy_reason is None
+
+
+async def test_failed_batches_then_a_failing_probe_make_the_worker_exit(settings_factory, start_worker) -> None:
+    """1. With max_consecutive_failed_batches=2: fail, succeed, fail: the success reset the count.
+    2. One more failure: two in a row, so the worker probes; the probe fails too (fault injection).
+    Result: the worker exits ExitCode.UNHEALTHY naming both; a bad input (422) never counted."""
+    async with synthetic_gateway(settings_factory) as gw:
+        handle = await start_worker(model="synthetic", fault_injection=True, max_consecutive_failed_batches=2,
+                                    probe_fault="raise", probe_interval_s=3600)
         await wait_until(lambda: status_is(gw, "/health/ready", 200), 10)
 
         async def infer(value: object) -> int:
@@ -100,5 +120,5 @@ async def test_consecutive_failed_batches_make_the_worker_exit(settings_factory,
         assert not handle.task.done() and handle.worker.watchdog.failed_in_row == 1
         assert await infer({"fault": "raise"}) == 500
         assert await handle.task == ExitCode.UNHEALTHY
-        assert "2 consecutive batches failed" in (handle.worker.watchdog.unhealthy_reason or "")
-
+        reason = handle.worker.watchdog.unhealthy_reason or ""
+        assert "after 2 consecutive batches failed: probe failed" in reason, reason

@@ -16,6 +16,7 @@ DESIGN_TABLE = {
     "model_error": 500,
     "unavailable": 503,
     "deadline_exceeded": 504,
+    "internal": 500,
 }
 
 

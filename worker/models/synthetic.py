@@ -18,6 +18,9 @@ forward it is in, the way real failures do:
     "cuda_error"  RuntimeError("CUDA error: an illegal memory access was encountered")
     "oom"         torch.cuda.OutOfMemoryError
     "leak"        (sim) the forward keeps all free device memory for good: every later forward OOMs
+    "hang"        the forward never returns (a stuck kernel or a deadlock; worker/hang.py ends it)
+    "internal"    not the forward: costing the input raises, a bug in the worker's batch task
+                  (worker/batch_errors.py answers 500 internal)
 and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
 way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
 when that file exists, the next forward deletes it and raises a CUDA error.
@@ -26,6 +29,7 @@ when that file exists, the next forward deletes it and raises a CUDA error.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -78,6 +82,8 @@ class SyntheticBackend:
         return self._max_tokens
 
     def item_cost(self, item: object) -> int:
+        if self.fault_injection and isinstance(item, dict) and item.get("fault") == "internal":
+            raise RuntimeError("injected bug outside the forward")
         if self._max_tokens > 1 and isinstance(item, str):
             return max(1, min(len(item.split()), self._max_tokens))
         return 1
@@ -131,6 +137,8 @@ def inject_fault(kind: str) -> None:
     """Fail the way `kind` names (see the module docstring). Raises; "exit" never returns."""
     if kind == "exit":
         os._exit(137)
+    if kind == "hang":
+        threading.Event().wait()  # nothing ever sets it
     if kind == "cuda_error":
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     if kind == "oom":

@@ -1,0 +1,91 @@
+"""A TCP proxy in front of Redis that loses replies: after a client sends a command containing
+`marker` (by default EVALSHA: the scripts that must not run twice), the proxy lets the command
+reach Redis, then cuts the connection instead of delivering the reply of every `every`-th
+distinct such command, or holds it for `delay_s` (longer than the client's socket timeout).
+Either way the command ran and redis-py re-sends it, byte for byte, on a new connection; the
+re-sent copy gets its reply (so the client's retry budget is never what fails the test)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from tests.helpers import free_port
+
+
+class LossyProxy:
+    """Listens on 127.0.0.1:`port`, forwards to `upstream_port`; counts `matched` and `lost` replies."""
+
+    def __init__(self, upstream_port: int, *, marker: bytes = b"EVALSHA", every: int = 2,
+                 max_lost: int = 1_000_000, delay_s: float | None = None) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self.marker = marker
+        self.every = every
+        self.max_lost = max_lost
+        self.delay_s = delay_s
+        self.matched = 0
+        self.lost = 0
+        self._seen: set[bytes] = set()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    async def __aenter__(self) -> LossyProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in list(self._writers):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.wait_closed()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        except OSError:
+            client_w.close()
+            return
+        self._writers.update((client_w, up_w))
+        lose_next: list[bool] = []  # one flag per command in flight on this connection
+        tasks = {asyncio.create_task(self._requests(client_r, up_w, lose_next)),
+                 asyncio.create_task(self._replies(up_r, client_w, lose_next))}
+        self._tasks.update(tasks)
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in tasks:
+            task.cancel()
+        for writer in (client_w, up_w):
+            writer.close()
+            self._writers.discard(writer)
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        self._tasks.difference_update(tasks)
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lose: list[bool]) -> None:
+        while data := await reader.read(65536):
+            if self.marker in data:
+                first = data not in self._seen
+                self._seen.add(data)
+                self.matched += first
+                lose.append(first and self.matched % self.every == 0 and self.lost < self.max_lost)
+            writer.write(data)
+            await writer.drain()
+
+    async def _replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lose: list[bool]) -> None:
+        while data := await reader.read(65536):
+            if lose and lose.pop(0):
+                self.lost += 1
+                if self.delay_s is not None:
+                    await asyncio.sleep(self.delay_s)  # past the client's timeout: it has given up
+                return  # the reply is dropped and the connection cut
+            writer.write(data)
+            await writer.drain()

@@ -1,0 +1,54 @@
+"""An exception inside a batch task (a bug in the worker's own code, not the model's: the model's
+failures become `model_error` in execute.py) is never lost: `answer_internal_error` logs it with
+the batch's request ids and answers every request of the batch still pending for this worker with
+500 `internal` at once, acking it, instead of leaving it to be reclaimed and, after
+`max_deliveries`, dead-lettered as if the worker had died. Side path of hop 4; never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from shared.errors import InternalError
+from shared.keys import GROUP
+from shared.protocol import ReplyMessage
+from worker.batcher import Entry
+from worker.publish import Outgoing, publish_replies
+
+log = logging.getLogger(__name__)
+
+
+async def answer_internal_error(
+    redis: aioredis.Redis, *, stream: str, dead_letter_stream: str, worker_id: str, entries: Sequence[Entry],
+    exc: BaseException, reply_maxlen: int,
+) -> int:
+    """Log `exc` with the request ids of `entries`, then reply 500 internal to those still pending
+    for `worker_id` (earlier cost groups of the batch may have been answered already) and ack them.
+    Returns how many were answered. Never raises: on a Redis error the entries stay pending."""
+    request_ids = [e.message.request_id for e in entries if e.message is not None]
+    log.error("batch task failed", exc_info=exc,
+              extra={"worker_id": worker_id, "request_ids": request_ids, "error": repr(exc)})
+    ids = sorted(e.entry_id for e in entries)
+    try:
+        pending = await redis.xpending_range(stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 1000,
+                                             consumername=worker_id)
+        still = {_text(p["message_id"]) for p in pending}
+        mine = [e for e in entries if e.entry_id in still and e.message is not None]
+        message = f"the worker failed while serving this request ({type(exc).__name__}); see its log"
+        replies = [Outgoing(e.message.reply_to, ReplyMessage.failure(e.message.request_id, InternalError.code,
+                                                                     message, worker_id=worker_id))
+                   for e in mine if e.message is not None]
+        await publish_replies(redis, request_stream=stream, dead_letter_stream=dead_letter_stream, replies=replies,
+                              entry_ids=[e.entry_id for e in mine], reply_maxlen=reply_maxlen)
+    except RedisError as err:
+        log.error("could not answer a failed batch; its entries stay pending", extra={"error": str(err)})
+        return 0
+    return len(replies)
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
