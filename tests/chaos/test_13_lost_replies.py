@@ -50,11 +50,11 @@ async def test_lost_replies_run_nothing_twice(chaos_stack, chaos_redis, redis_se
                 stream = Keys(chaos_stack.settings["key_prefix"]).request_stream("synthetic")
 
                 async def holds_a_batch() -> bool:  # of several entries: each is claimed on its own
-                    held = await chaos_redis.xpending_range(stream, GROUP, "-", "+", 8, consumername="chaos-w0")
+                    held = await chaos_redis.xpending_range(stream, GROUP, "-", "+", 8, consumername=workers.names[0])
                     return len(held) >= 4
 
                 await wait_until(holds_a_batch, 30, interval_s=0.02)
-                workers.kill("chaos-w0", signal.SIGKILL)
+                workers.kill(workers.names[0], signal.SIGKILL)
 
             await asyncio.gather(load.run_count(REQUESTS), kill())
         wall_s = time.monotonic() - started

@@ -104,7 +104,7 @@ async def test_cluster_worker_sigkill_mid_batch_loses_nothing(cluster, cluster_s
 
         async def killer() -> None:
             await asyncio.sleep(2)
-            workers.kill("chaos-w0")
+            workers.kill(workers.names[0])
 
         tally, _ = await asyncio.gather(load.run_for(6), killer())
     await workers.stop_watching()
