@@ -13,7 +13,9 @@ import uuid
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, RedisError
+from redis.typing import EncodableT
 
 from gateway.backpressure import ThroughputMeter, retry_after_s
 from gateway.health import Health
@@ -33,7 +35,7 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Admission, atomic (issue 4), on the model's hash slot only. KEYS: request stream. ARGV: queue_bound,
+# Admission, atomic, on the model's hash slot only. KEYS: request stream. ARGV: queue_bound,
 # entry field, packed request. Entries are XACK'd and XDEL'd together once answered, so XLEN =
 # queued + in flight; at the bound nothing is added (never trim accepted entries to make room):
 # returns {0, depth}, else {1, id}.
@@ -180,15 +182,14 @@ class Dispatcher:
         reply stream concurrently (one round trip of latency, two slots). Raises QueueFullError with
         a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
-        # gather starts the reply-stream check first: in the data-loss case the stream exists again
-        # long before a worker can have read, run and answered the new entry.
-        results = await asyncio.gather(
-            self._ensure_reply(keys=[self._listener.stream], args=[
-                INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
-            self._admission(keys=[self._keys.request_stream(model)],
-                            args=[config.queue_bound, ENTRY_FIELD, message.encode()]),
-            return_exceptions=True,  # both always finish; the first error is raised below
-        )
+        # The reply-stream check runs first: in the data-loss case the stream exists again before
+        # a worker can have read, run and answered the new entry.
+        results = await self._run_scripts([
+            (self._ensure_reply, [self._listener.stream],
+             [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
+            (self._admission, [self._keys.request_stream(model)],
+             [config.queue_bound, ENTRY_FIELD, message.encode()]),
+        ])
         recreated, admitted = results
         for result in results:
             if isinstance(result, BaseException):
@@ -203,6 +204,29 @@ class Dispatcher:
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
+
+    async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[EncodableT]]]) -> list[object]:
+        """Run each (script, keys, args) in order in one pipelined round trip (EVALSHA, not a
+        transaction, so under Cluster their keys may lie in different slots). A script Redis does
+        not know (NOSCRIPT: it restarted or was flushed) is loaded and that call alone sent again,
+        so no script runs twice. Returns each call's result or its exception; raises RedisError
+        when the round trip itself fails."""
+        results: list[object] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in range(2):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for i in todo:
+                    script, keys, args = calls[i]
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                answers = await pipe.execute(raise_on_error=False)
+            for i, answer in zip(todo, answers, strict=True):
+                results[i] = answer
+            todo = [i for i in todo if isinstance(results[i], NoScriptError)]
+            if not todo or attempt == 1:
+                return results
+            for i in todo:
+                await self._redis.script_load(calls[i][0].script)
+        return results
 
     @staticmethod
     def _remaining_s(timeout_ms: int, started_ms: float) -> float:

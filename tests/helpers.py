@@ -127,6 +127,11 @@ class Stack:
     def start_gateway(self, **extra: object) -> None:
         self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
 
+    def spawn_gateway(self, name: str, **extra: object) -> subprocess.Popen[bytes]:
+        """Another gateway process on this stack's port (it needs reuse_port=True in the settings,
+        as does the first); the caller stops it."""
+        return self._spawn("gateway", name, port=self.port, **extra)
+
     def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
         """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
         CUDA_VISIBLE_DEVICES) added to its environment."""
