@@ -27,6 +27,7 @@ from typing import Protocol
 
 from bench.corpus import load_corpus
 from bench.cost import cost_point
+from bench.figures import COST_BASELINE, COST_OURS
 from bench.loadgen import body_cycle, run_point
 from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
 from bench.stats import summarize, worker_view
@@ -243,15 +244,12 @@ def alternate(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]],
                        **point(config, service, round_)}
 
 
-COST_BASELINE = "bare uvicorn endpoint"
-
-
 def cost(cfg: BenchConfig) -> Records:
     """Serving CPU per request at concurrency 64 by process: vramguard with one instant worker,
     the same on asyncio's own loop with redis-py's Python parser (the figure before uvloop and
     hiredis), and a bare uvicorn endpoint (the baseline of the ratio), alternating."""
     services: list[tuple[str, Service]] = [
-        ("vramguard (instant worker)", instant(cfg, "cost-vramguard")),
+        (COST_OURS, instant(cfg, "cost-vramguard")),
         ("vramguard, asyncio loop + Python Redis parser",
          instant(cfg, "cost-plain", event_loop="asyncio", redis_parser="python")),
         (COST_BASELINE, trivial(cfg.log_dir)),
