@@ -207,8 +207,8 @@ class SupervisedWorker:
     def start(self) -> None:
         write_programs(self.folder, [self.group])
         env = {**self.env, "VG_RUN_DIR": str(self.folder), "VG_ROOT": str(ROOT), "VG_PYTHON": sys.executable,
-               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_REDIS_SERVER": "redis-server",
-               "VG_REDIS_PORT": "0"}
+               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_GATEWAYS": "1",
+               "VG_REDIS_SERVER": "redis-server", "VG_REDIS_PORT": "0"}
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)],
                                      env=env, cwd=self.folder,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
