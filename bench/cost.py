@@ -10,6 +10,7 @@ through but spends about the same CPU on each one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 
 import psutil
@@ -54,12 +55,16 @@ def cost_point(url: str, roles: Roles, *, concurrency: int, duration_s: float, w
     """
     bodies = body_cycle(load_corpus(), lambda text: {"inputs": [text]})
     me = psutil.Process()
-    before, client_before = cpu_by_role(roles), sum(me.cpu_times()[:2])
+    before, client_before, started = cpu_by_role(roles), sum(me.cpu_times()[:2]), time.perf_counter()
     run = asyncio.run(run_point(url, bodies, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
                                 label=label, progress=progress))
-    after, client_after = cpu_by_role(roles), sum(me.cpu_times()[:2])
+    after, client_after, wall_s = cpu_by_role(roles), sum(me.cpu_times()[:2]), time.perf_counter() - started
     answered = max(1, run.warmup_requests + len(run.samples))
     per_role = {role: round(1e6 * (after[role] - before[role]) / answered, 1) for role in roles}
+    busy_s = sum(after.values()) - sum(before.values()) + client_after - client_before
     return {**summarize(run), "answered": answered, "cpu_us_per_request": per_role,
             "server_cpu_us_per_request": round(sum(per_role.values()), 1),
-            "client_cpu_us_per_request": round(1e6 * (client_after - client_before) / answered, 1)}
+            "client_cpu_us_per_request": round(1e6 * (client_after - client_before) / answered, 1),
+            # Cores that the server and the client kept busy together, against the machine's: near
+            # the count, the box itself is the limit and no server-side change can show a gain.
+            "cores_busy": round(busy_s / wall_s, 2), "cores": psutil.cpu_count()}

@@ -75,6 +75,14 @@ def gateway_rps(records: list[Record]) -> dict[int, list[float]]:
     return out
 
 
+def machine_busy(records: list[Record]) -> float | None:
+    """Median fraction of the machine's cores that server and client kept busy together over the
+    1-gateway points (bench/cost.py's cores_busy); None when not recorded."""
+    shares = [float(r["cores_busy"]) / float(r["cores"]) for r in records  # type: ignore[arg-type]
+              if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")]
+    return float(np.median(shares)) if shares else None
+
+
 @dataclass
 class Figures:
     """Everything RESULTS.md quotes beyond the raw tables; None where a suite did not run."""
@@ -91,6 +99,7 @@ class Figures:
     c1_p50_ms: dict[str, float] = field(default_factory=dict)  # strategy config -> p50 at concurrency 1
     cost: CostFigures | None = None
     gateways_rps: dict[int, list[float]] = field(default_factory=dict)  # gateway processes -> req/s per round
+    gateways_busy: float | None = None  # share of the cores busy at 1 gateway (server + client)
 
 
 def spread(values: list[float]) -> str:
@@ -146,6 +155,7 @@ def summary_figures(groups: dict[str, list[Record]]) -> Figures:
             fig.c1_p50_ms[str(r["config"])] = float(r["p50_ms"])  # type: ignore[arg-type]
     fig.cost = cost_figures(groups.get("cost", []))
     fig.gateways_rps = gateway_rps(groups.get("gateways", []))
+    fig.gateways_busy = machine_busy(groups.get("gateways", []))
     return fig
 
 
@@ -211,7 +221,12 @@ def serving_rows(fig: Figures) -> list[list[object]]:
         ceiling = fig.client_ceiling_rps
         bound = ceiling is not None and one >= CLIENT_BOUND * ceiling
         of_ceiling = f"; client's own ceiling {ceiling:.0f} req/s ({100 * two / ceiling:.0f}%)" if ceiling else ""
+        busy = fig.gateways_busy
+        saturated = busy is not None and busy >= CLIENT_BOUND
+        of_machine = f"; server + client kept {100 * busy:.0f}% of the cores busy at 1 gateway" if busy else ""
+        verdict = _verdict(gain >= SCALE_OUT_GAIN or bound)
+        if verdict == "**missed**" and saturated:
+            verdict = "**not shown** (the machine was already full at 1 gateway)"
         rows.append(["2 gateway processes serve more than 1 (until the client's ceiling)",
-                     f"{gain:.2f}x ({two:.0f} vs {one:.0f} req/s, medians){of_ceiling}",
-                     _verdict(gain >= SCALE_OUT_GAIN or bound)])
+                     f"{gain:.2f}x ({two:.0f} vs {one:.0f} req/s, medians){of_ceiling}{of_machine}", verdict])
     return rows
