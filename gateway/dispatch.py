@@ -13,11 +13,10 @@ import uuid
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, RedisError
-from redis.typing import EncodableT
+from redis.exceptions import RedisError
 
 from gateway.backpressure import ThroughputMeter, retry_after_s
+from gateway.coalesce import ScriptBatcher
 from gateway.health import Health
 from gateway.replies import INIT_FIELD, ReplyListener
 from shared.clock import monotonic_ms, now_ms
@@ -77,6 +76,7 @@ class Dispatcher:
         self._throughput = {model: ThroughputMeter() for model in settings.served_models}
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
+        self._scripts = ScriptBatcher(redis)
 
     def __repr__(self) -> str:
         return f"<Dispatcher submitted={self.submitted} answered={self.answered} failed={self.failed}>"
@@ -178,18 +178,20 @@ class Dispatcher:
             self._listener.discard(request_id)
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
-        """Check the bound and XADD in one step (ADMISSION), while ENSURE_REPLY_STREAM checks the
-        reply stream concurrently (one round trip of latency, two slots). Raises QueueFullError with
-        a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
+        """Check the bound and XADD in one step (ADMISSION), after ENSURE_REPLY_STREAM has checked
+        the reply stream: both in the one round trip this loop pass's admissions share
+        (gateway/coalesce.py; two slots under Cluster). Raises QueueFullError with a Retry-After
+        from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self._settings.model_config_for(model)
         # The reply-stream check runs first: in the data-loss case the stream exists again before
         # a worker can have read, run and answered the new entry.
-        results = await self._run_scripts([
-            (self._ensure_reply, [self._listener.stream],
-             [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
-            (self._admission, [self._keys.request_stream(model)],
-             [config.queue_bound, ENTRY_FIELD, message.encode()]),
-        ])
+        results = await asyncio.gather(
+            self._scripts.call(self._ensure_reply, [self._listener.stream],
+                               [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
+            self._scripts.call(self._admission, [self._keys.request_stream(model)],
+                               [config.queue_bound, ENTRY_FIELD, message.encode()]),
+            return_exceptions=True,  # both always finish; the first error is raised below
+        )
         recreated, admitted = results
         for result in results:
             if isinstance(result, BaseException):
@@ -204,29 +206,6 @@ class Dispatcher:
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
-
-    async def _run_scripts(self, calls: list[tuple[AsyncScript, list[str], list[EncodableT]]]) -> list[object]:
-        """Run each (script, keys, args) in order in one pipelined round trip (EVALSHA, not a
-        transaction, so under Cluster their keys may lie in different slots). A script Redis does
-        not know (NOSCRIPT: it restarted or was flushed) is loaded and that call alone sent again,
-        so no script runs twice. Returns each call's result or its exception; raises RedisError
-        when the round trip itself fails."""
-        results: list[object] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in range(2):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                for i in todo:
-                    script, keys, args = calls[i]
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                answers = await pipe.execute(raise_on_error=False)
-            for i, answer in zip(todo, answers, strict=True):
-                results[i] = answer
-            todo = [i for i in todo if isinstance(results[i], NoScriptError)]
-            if not todo or attempt == 1:
-                return results
-            for i in todo:
-                await self._redis.script_load(calls[i][0].script)
-        return results
 
     @staticmethod
     def _remaining_s(timeout_ms: int, started_ms: float) -> float:
