@@ -44,6 +44,12 @@ def cpu_by_role(roles: Roles) -> dict[str, float]:
     return {role: sum(process_cpu_s(pid) for pid in pids) for role, pids in roles.items()}
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent not idle (all processes, all cores) since boot."""
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
 def cost_point(url: str, roles: Roles, *, concurrency: int, duration_s: float, warmup_s: float, label: str,
                progress: bool) -> dict[str, object]:
     """One load point against `url` with the CPU of `roles` measured over all of it.
@@ -55,10 +61,12 @@ def cost_point(url: str, roles: Roles, *, concurrency: int, duration_s: float, w
     """
     bodies = body_cycle(load_corpus(), lambda text: {"inputs": [text]})
     me = psutil.Process()
+    machine_before = machine_busy_s()
     before, client_before, started = cpu_by_role(roles), sum(me.cpu_times()[:2]), time.perf_counter()
     run = asyncio.run(run_point(url, bodies, concurrency=concurrency, duration_s=duration_s, warmup_s=warmup_s,
                                 label=label, progress=progress))
     after, client_after, wall_s = cpu_by_role(roles), sum(me.cpu_times()[:2]), time.perf_counter() - started
+    machine_s = machine_busy_s() - machine_before
     answered = max(1, run.warmup_requests + len(run.samples))
     per_role = {role: round(1e6 * (after[role] - before[role]) / answered, 1) for role in roles}
     busy_s = sum(after.values()) - sum(before.values()) + client_after - client_before
@@ -67,4 +75,6 @@ def cost_point(url: str, roles: Roles, *, concurrency: int, duration_s: float, w
             "client_cpu_us_per_request": round(1e6 * (client_after - client_before) / answered, 1),
             # Cores that the server and the client kept busy together, against the machine's: near
             # the count, the box itself is the limit and no server-side change can show a gain.
-            "cores_busy": round(busy_s / wall_s, 2), "cores": psutil.cpu_count()}
+            "cores_busy": round(busy_s / wall_s, 2), "cores": psutil.cpu_count(),
+            # Everything on the machine, other users' processes included (a shared box).
+            "machine_cores_busy": round(machine_s / wall_s, 2)}

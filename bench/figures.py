@@ -76,10 +76,11 @@ def gateway_rps(records: list[Record]) -> dict[int, list[float]]:
 
 
 def machine_busy(records: list[Record]) -> float | None:
-    """Median fraction of the machine's cores that server and client kept busy together over the
-    1-gateway points (bench/cost.py's cores_busy); None when not recorded."""
-    shares = [float(r["cores_busy"]) / float(r["cores"]) for r in records  # type: ignore[arg-type]
-              if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")]
+    """Median fraction of the machine's cores busy over the 1-gateway points: all processes,
+    other users' too (bench/cost.py's machine_cores_busy), else server and client alone
+    (cores_busy); None when not recorded."""
+    shares = [float(r.get("machine_cores_busy") or r["cores_busy"]) / float(r["cores"])  # type: ignore[arg-type]
+              for r in records if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")]
     return float(np.median(shares)) if shares else None
 
 
@@ -99,7 +100,7 @@ class Figures:
     c1_p50_ms: dict[str, float] = field(default_factory=dict)  # strategy config -> p50 at concurrency 1
     cost: CostFigures | None = None
     gateways_rps: dict[int, list[float]] = field(default_factory=dict)  # gateway processes -> req/s per round
-    gateways_busy: float | None = None  # share of the cores busy at 1 gateway (server + client)
+    gateways_busy: float | None = None  # share of the machine's cores busy at 1 gateway
 
 
 def spread(values: list[float]) -> str:
@@ -223,7 +224,7 @@ def serving_rows(fig: Figures) -> list[list[object]]:
         of_ceiling = f"; client's own ceiling {ceiling:.0f} req/s ({100 * two / ceiling:.0f}%)" if ceiling else ""
         busy = fig.gateways_busy
         saturated = busy is not None and busy >= CLIENT_BOUND
-        of_machine = f"; server + client kept {100 * busy:.0f}% of the cores busy at 1 gateway" if busy else ""
+        of_machine = f"; {100 * busy:.0f}% of the machine's cores busy at 1 gateway" if busy else ""
         verdict = _verdict(gain >= SCALE_OUT_GAIN or bound)
         if verdict == "**missed**" and saturated:
             verdict = "**not shown** (the machine was already full at 1 gateway)"

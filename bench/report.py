@@ -280,7 +280,7 @@ def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
         return ""
     rows = [[r["pair"], r["gateways"], r["rps"], r["p50_ms"], r["p99_ms"],
              dict(r["cpu_us_per_request"]).get("gateway"), r["server_cpu_us_per_request"],  # type: ignore[call-overload]
-             r["client_cpu_us_per_request"], f"{r.get('cores_busy')} of {r.get('cores')}"] for r in records]
+             r["client_cpu_us_per_request"], _busy(r)] for r in records]
     ceiling = f" The load client's own ceiling in this run: {fig.client_ceiling_rps} req/s." \
         if fig.client_ceiling_rps else ""
     return ("## Gateway scale-out (concurrency 64, 2 instant workers)\n\n"
@@ -288,4 +288,8 @@ def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
             "each keeps its own reply stream), as `make up GATEWAYS=N` runs them, measured in turn round by "
             f"round.{ceiling}\n\n"
             + table(["round", "gateways", "req/s", "p50 ms", "p99 ms", "gateway µs per request",
-                     "server total µs", "load client µs", "cores busy (server + client)"], rows))
+                     "server total µs", "load client µs", "cores busy: server + client / whole machine"], rows))
+
+
+def _busy(r: Record) -> str:
+    return f"{r.get('cores_busy')} / {r.get('machine_cores_busy')} of {r.get('cores')}"
