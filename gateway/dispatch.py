@@ -28,6 +28,7 @@ from shared.errors import (
     error_from_code,
 )
 from shared.keys import Keys
+from shared.models import ModelConfig
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from shared.redis_client import describe_data_loss, is_out_of_memory
 from shared.settings import Settings
@@ -77,9 +78,18 @@ class Dispatcher:
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
+        self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
         return f"<Dispatcher submitted={self.submitted} answered={self.answered} failed={self.failed}>"
+
+    def config_for(self, model: str) -> ModelConfig:
+        """`model`'s settings (Settings.model_config_for), built once: settings do not change while
+        the gateway runs, and rebuilding them costs a pydantic validation per call."""
+        config = self._configs.get(model)
+        if config is None:
+            config = self._configs[model] = self._settings.model_config_for(model)
+        return config
 
     def check_model(self, model: str) -> None:
         """Raise ModelNotFoundError unless this gateway serves `model`."""
@@ -114,7 +124,7 @@ class Dispatcher:
             Every raised error carries the request id once one was assigned.
         """
         self.check_model(model)
-        config = self._settings.model_config_for(model)
+        config = self.config_for(model)
         request_id = request_id or RequestId(uuid.uuid4().hex)
         started_ms = monotonic_ms()
         timeout_ms = timeout_ms or config.default_timeout_ms
@@ -182,7 +192,7 @@ class Dispatcher:
         the reply stream: both in the one round trip this loop pass's admissions share
         (gateway/coalesce.py; two slots under Cluster). Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
-        config = self._settings.model_config_for(model)
+        config = self.config_for(model)
         # The reply-stream check runs first: in the data-loss case the stream exists again before
         # a worker can have read, run and answered the new entry.
         results = await asyncio.gather(

@@ -59,7 +59,7 @@ async def submit(
     """
     model = record.model
     spec = CATALOGUE[model]
-    check_input_count(model, settings_of(request).model_config_for(model), len(inputs))
+    check_input_count(model, dispatcher_of(request).config_for(model), len(inputs))
     check_parameters(spec, parameters)
     truncate = parameters.get("truncate") is True
     if token_ids:
