@@ -227,11 +227,24 @@ class Worker:
                     await self.watchdog.probe()
                 continue
             self._held.update(e.entry_id for e in entries)  # ours while they wait: not reclaimable
+            waited = slots.locked()
             await slots.acquire()  # entries read are served even if a signal came meanwhile (drain)
+            if waited:  # a forward ran meanwhile: what queued since joins this batch
+                entries = await self._top_up(batcher, entries)
             read += 1
             task = asyncio.create_task(self._serve_batch(redis, entries))
             self._inflight.add(task)
             task.add_done_callback(lambda t: self._batch_done(t, slots))
+
+    async def _top_up(self, batcher: Batcher, entries: list[Entry]) -> list[Entry]:
+        """`entries` plus what arrived while they waited for a slot (Batcher.top_up), held at
+        once; on a Redis error the batch goes as it is (the next read reports the error)."""
+        try:
+            entries = await batcher.top_up(entries)
+        except RedisError:
+            return entries
+        self._held.update(e.entry_id for e in entries)
+        return entries
 
     def _batch_done(self, task: asyncio.Task[None], slots: asyncio.Semaphore) -> None:
         self._inflight.discard(task)
