@@ -9,9 +9,14 @@ import asyncio
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.typing import EncodableT
+
+from shared.redis_client import RETRIES
 
 
 @dataclass(frozen=True)
@@ -23,24 +28,47 @@ class ScriptCall:
 
 async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[object]:
     """Run `calls` in order in one pipelined round trip (not a transaction, so under Cluster their
-    keys may lie in different slots). A script Redis does not know (NOSCRIPT: it restarted or was
-    flushed) is loaded and that call alone sent again, so no script runs twice. Returns each
-    call's result or its exception; raises RedisError when the round trip itself fails."""
+    keys may lie in different slots). Returns each call's result or its exception; raises
+    RedisError when the round trip itself fails (after the client's own retries).
+
+    Calls that did nothing and may succeed later are sent again, alone: NOSCRIPT (Redis restarted
+    or was flushed: the script is loaded first) and READONLY (the primary was demoted under a
+    Sentinel failover: a pipeline returns the error instead of retrying, so the pool's
+    connections are dropped, the next one asks the sentinels for the new primary, and the call
+    waits out the promotion with the client's backoff, shared/redis_client.py). No call runs twice.
+
+    Under Redis Cluster (redis-py refuses EVALSHA in a cluster pipeline) and under Sentinel (a
+    failover test lost requests with pipelines: single commands are what redis-py's retries
+    cover), each call is its own command, all sent at once: one round trip of latency, not of
+    syscalls."""
+    if isinstance(redis, RedisCluster) or isinstance(redis.connection_pool, SentinelConnectionPool):
+        return list(await asyncio.gather(*(c.script(keys=c.keys, args=c.args) for c in calls),
+                                         return_exceptions=True))
     results: list[object] = [None] * len(calls)
     todo = list(range(len(calls)))
-    for attempt in range(2):
+    backoff = ExponentialWithJitterBackoff(base=0.05, cap=0.5)
+    for attempt in range(RETRIES + 1):
         async with redis.pipeline(transaction=False) as pipe:
             for i in todo:
                 pipe.evalsha(calls[i].script.sha, len(calls[i].keys), *calls[i].keys, *calls[i].args)
             answers = await pipe.execute(raise_on_error=False)
         for i, answer in zip(todo, answers, strict=True):
             results[i] = answer
-        todo = [i for i in todo if isinstance(results[i], NoScriptError)]
-        if not todo or attempt == 1:
+        todo = [i for i in todo if isinstance(results[i], NoScriptError) or _read_only(results[i])]
+        if not todo or attempt == RETRIES:
             break
-        for script in {calls[i].script.sha: calls[i].script for i in todo}.values():
+        missing = {calls[i].script.sha: calls[i].script for i in todo if isinstance(results[i], NoScriptError)}
+        for script in missing.values():
             await redis.script_load(script.script)
+        if any(_read_only(results[i]) for i in todo):
+            await redis.connection_pool.disconnect()
+            await asyncio.sleep(backoff.compute(attempt + 1))
     return results
+
+
+def _read_only(result: object) -> bool:
+    """A write refused by a replica: READONLY, also as Redis 6 wraps it inside a script's error."""
+    return isinstance(result, ReadOnlyError) or (isinstance(result, ResponseError) and "-READONLY" in str(result))
 
 
 class ScriptBatcher:

@@ -13,6 +13,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from gateway.coalesce import ScriptBatcher
+from shared.redis_client import connect
 from tests.helpers import RedisServer, free_port
 
 ECHO_OR_FAIL = "if ARGV[1] == 'fail' then return redis.error_reply('refused') end return ARGV[1]"
@@ -58,3 +59,46 @@ async def test_a_failed_round_trip_reaches_every_caller() -> None:
                 await future
     finally:
         await client.aclose()
+
+
+async def test_a_demoted_primary_is_left_and_the_calls_retried_until_one_is_promoted(settings_factory) -> None:  # type: ignore[no-untyped-def]
+    """A Redis turned replica (READONLY, as a Sentinel failover demotes the old primary) and
+    promoted back 0.3 s later: the calls of the pipeline that met READONLY are sent again
+    through the client's retries and succeed, once each."""
+    server = RedisServer()
+    server.start()
+    client = connect(settings_factory(redis_url=server.url))
+    try:
+        key = f"coalesce-{uuid.uuid4().hex[:8]}"
+        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        await script(keys=[key])  # loaded while still a primary
+        await client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))  # nothing there: stays a replica
+
+        async def promote() -> None:
+            await asyncio.sleep(0.3)
+            admin = aioredis.Redis.from_url(server.url)
+            await admin.execute_command("REPLICAOF", "NO", "ONE")
+            await admin.aclose()
+
+        batcher = ScriptBatcher(client)
+        results, _ = await asyncio.gather(asyncio.gather(*(batcher.call(script, [key], []) for _ in range(3))),
+                                          promote())
+        assert sorted(results) == [2, 3, 4]
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_replica_that_stays_one_gets_its_error_back_after_the_retries(settings_factory) -> None:  # type: ignore[no-untyped-def]
+    server = RedisServer()
+    server.start()
+    client = connect(settings_factory(redis_url=server.url))
+    try:
+        script = client.register_script("return redis.call('INCR', KEYS[1])")
+        await script(keys=["k"])
+        await client.execute_command("REPLICAOF", "127.0.0.1", str(free_port()))
+        (result,) = await asyncio.wait_for(asyncio.gather(ScriptBatcher(client).call(script, ["k"], [])), 10)
+        assert isinstance(result, ResponseError) and "READONLY" in str(result)
+    finally:
+        await client.aclose()
+        server.stop()
