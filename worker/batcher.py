@@ -122,22 +122,6 @@ class Batcher:
             items = self._trim(batch)
         return self._finish(batch, items)
 
-    async def top_up(self, batch: list[Entry]) -> list[Entry]:
-        """`batch` (from read_batch) plus what has arrived since, read without waiting, up to
-        `max_batch_size` items; entries past it go to the carry-over. For a batch that waited for
-        a forward slot: what queued meanwhile joins this forward instead of waiting for the next.
-
-        Raises redis.exceptions.RedisError like read_batch (the batch itself is then unchanged).
-        """
-        items = sum(entry.n_items for entry in batch)
-        if items >= self.max_batch_size or self._carry or self._history_id is not None:
-            return batch
-        more = await self._xreadgroup(b">", self.max_batch_size - items, block_ms=None)
-        if not more:
-            return batch
-        batch = [*batch, *more]
-        return self._finish(batch, self._trim(batch))
-
     def _finish(self, batch: list[Entry], items: int) -> list[Entry]:
         self._last_batch_items = items
         return batch

@@ -209,42 +209,30 @@ class Worker:
                     log.warning("reclaim failed", extra={"error": str(exc), "failures": failures})
                     await self._recover(redis, exc, backoff.compute(failures))
                 continue
+            await slots.acquire()
+            if self.should_exit:  # signalled while waiting for a slot: read nothing more
+                slots.release()
+                break
             if self.budget is not None:  # the adaptive cap (worker/memory.py) bounds what is read
                 batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
-            # Read first, then wait for a forward slot: the next batch is read (and its window
-            # filled) while the previous one runs and publishes. Only the forward needs the slot,
-            # so the memory budget's count of concurrent forwards is unchanged.
             try:
                 entries = await batcher.read_batch()
                 failures = 0
             except RedisError as exc:
+                slots.release()
                 failures += 1
                 log.warning("read failed", extra={"error": str(exc), "failures": failures})
                 await self._recover(redis, exc, backoff.compute(failures))
                 continue
             if not entries:
+                slots.release()
                 if not self._inflight and self.watchdog.probe_due:
                     await self.watchdog.probe()
                 continue
-            self._held.update(e.entry_id for e in entries)  # ours while they wait: not reclaimable
-            waited = slots.locked()
-            await slots.acquire()  # entries read are served even if a signal came meanwhile (drain)
-            if waited:  # a forward ran meanwhile: what queued since joins this batch
-                entries = await self._top_up(batcher, entries)
             read += 1
             task = asyncio.create_task(self._serve_batch(redis, entries))
             self._inflight.add(task)
             task.add_done_callback(lambda t: self._batch_done(t, slots))
-
-    async def _top_up(self, batcher: Batcher, entries: list[Entry]) -> list[Entry]:
-        """`entries` plus what arrived while they waited for a slot (Batcher.top_up), held at
-        once; on a Redis error the batch goes as it is (the next read reports the error)."""
-        try:
-            entries = await batcher.top_up(entries)
-        except RedisError:
-            return entries
-        self._held.update(e.entry_id for e in entries)
-        return entries
 
     def _batch_done(self, task: asyncio.Task[None], slots: asyncio.Semaphore) -> None:
         self._inflight.discard(task)

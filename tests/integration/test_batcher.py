@@ -97,22 +97,3 @@ async def test_a_restarted_consumer_replays_its_own_pending_entries_first(redis_
     assert tags(await second_life.read_batch()) == ["a", "b"]  # its own pending entries first
     assert tags(await second_life.read_batch()) == ["c"]
     assert await second_life.read_batch() == []
-
-
-async def test_top_up_adds_what_arrived_since_up_to_the_cap_and_carries_the_rest(redis_client) -> None:
-    stream = "t:req:batcher-topup"
-    batcher = await make_batcher(redis_client, stream, max_batch_size=4, max_wait_ms=0)
-    await enqueue(redis_client, stream, 1, "a")
-    batch = await batcher.read_batch()
-    assert tags(batch) == ["a"]
-    # 1. Entries queued while the batch waited for a slot join it, without waiting, up to 4 items.
-    for tag, n in [("b", 2), ("c", 2), ("d", 1)]:
-        await enqueue(redis_client, stream, n, tag)
-    batch = await batcher.top_up(batch)
-    assert tags(batch) == ["a", "b"]  # a (1) + b (2) + c (2) would be 5 > 4
-    # 2. What did not fit is carried over and comes next, in order; while a carry-over waits,
-    #    top_up reads nothing newer (FIFO).
-    assert await batcher.top_up(batch) == batch
-    assert tags(await batcher.read_batch()) == ["c", "d"]
-    # 3. Nothing new: the batch comes back unchanged, at once.
-    assert tags(await batcher.top_up([])) == []
