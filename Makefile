@@ -7,6 +7,7 @@ TORCH_VERSION ?= 2.13.0
 MODEL ?= minilm
 WORKERS ?= 1
 WORKERS_PER_GPU ?= $(WORKERS)
+GATEWAYS ?= 1
 GPUS ?=
 PLACEMENT ?=
 PYTEST_ARGS ?=
@@ -20,11 +21,11 @@ TRITON_PYTHON ?= /usr/bin/python3.11
 .PHONY: up test test-fast lint bench clean help
 
 help:
-	@echo "make up [MODEL=minilm|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N]"
+	@echo "make up [MODEL=minilm|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
 	@echo "        [PLACEMENT=deploy/placement.example.toml]  start Redis, gateway and workers (foreground)"
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
-	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~15 min on 2 cores)"
+	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~20 min on 2 cores)"
 	@echo "make lint                                      ruff and mypy --strict"
 
 $(BIN)/python:
@@ -37,7 +38,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	touch $@
 
 up: $(VENV)/.installed
-	$(BIN)/python deploy/up.py --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) \
+	$(BIN)/python deploy/up.py --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) --gateways $(GATEWAYS) \
 		$(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
 
 test: $(VENV)/.installed $(TRITON_VENV)/.installed

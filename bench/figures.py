@@ -27,6 +27,63 @@ class PeerFigures:
     theirs_p99: float
 
 
+@dataclass(frozen=True)
+class CostFigures:
+    """Serving CPU per request (bench/cost.py) over alternating rounds: per round, vramguard's
+    server CPU over the bare endpoint's; per configuration, the median µs of each role."""
+
+    ratios: list[float]  # vramguard (default settings) / bare endpoint, one per round
+    us_by_config: dict[str, dict[str, float]]  # config -> role -> median µs per request (+ "total", "client")
+
+
+COST_OURS = "vramguard (instant worker)"
+COST_BASELINE = "bare uvicorn endpoint"
+
+
+def cost_figures(records: list[Record]) -> CostFigures | None:
+    """Pair the cost suite's records by round; None without a round holding both COST_OURS and COST_BASELINE."""
+    rounds: dict[int, dict[str, Record]] = {}
+    for r in records:
+        rounds.setdefault(int(r["pair"]), {})[str(r["config"])] = r  # type: ignore[call-overload]
+    full = [p for p in rounds.values() if {COST_OURS, COST_BASELINE} <= p.keys()]
+    if not full:
+        return None
+    ratios = [float(p[COST_OURS]["server_cpu_us_per_request"])  # type: ignore[arg-type]
+              / max(float(p[COST_BASELINE]["server_cpu_us_per_request"]), 1e-9) for p in full]  # type: ignore[arg-type]
+    by_config: dict[str, list[Record]] = {}
+    for r in records:
+        by_config.setdefault(str(r["config"]), []).append(r)
+    medians = {config: _cost_medians(rs) for config, rs in by_config.items()}
+    return CostFigures(ratios=ratios, us_by_config=medians)
+
+
+def _cost_medians(records: list[Record]) -> dict[str, float]:
+    roles = {role for r in records for role in dict(r["cpu_us_per_request"])}  # type: ignore[call-overload]
+    out = {role: float(np.median([float(dict(r["cpu_us_per_request"])[role]) for r in records]))  # type: ignore[call-overload]
+           for role in sorted(roles)}
+    out["total"] = float(np.median([float(r["server_cpu_us_per_request"]) for r in records]))  # type: ignore[arg-type]
+    out["client"] = float(np.median([float(r["client_cpu_us_per_request"]) for r in records]))  # type: ignore[arg-type]
+    out["rps"] = float(np.median([float(r["rps"]) for r in records]))  # type: ignore[arg-type]
+    return out
+
+
+def gateway_rps(records: list[Record]) -> dict[int, list[float]]:
+    """The gateways suite's req/s by gateway count, one value per round."""
+    out: dict[int, list[float]] = {}
+    for r in records:
+        out.setdefault(int(r["gateways"]), []).append(float(r["rps"]))  # type: ignore[call-overload, arg-type]
+    return out
+
+
+def machine_busy(records: list[Record]) -> float | None:
+    """Median fraction of the machine's cores busy over the 1-gateway points: all processes,
+    other users' too (bench/cost.py's machine_cores_busy), else server and client alone
+    (cores_busy); None when not recorded."""
+    shares = [float(r.get("machine_cores_busy") or r["cores_busy"]) / float(r["cores"])  # type: ignore[arg-type]
+              for r in records if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")]
+    return float(np.median(shares)) if shares else None
+
+
 @dataclass
 class Figures:
     """Everything RESULTS.md quotes beyond the raw tables; None where a suite did not run."""
@@ -41,6 +98,9 @@ class Figures:
     placed_rps: dict[tuple[int, int], float] = field(default_factory=dict)  # (sim GPUs, workers per GPU)
     gateway_ceiling_rps: float | None = None
     c1_p50_ms: dict[str, float] = field(default_factory=dict)  # strategy config -> p50 at concurrency 1
+    cost: CostFigures | None = None
+    gateways_rps: dict[int, list[float]] = field(default_factory=dict)  # gateway processes -> req/s per round
+    gateways_busy: float | None = None  # share of the machine's cores busy at 1 gateway
 
 
 def spread(values: list[float]) -> str:
@@ -94,6 +154,9 @@ def summary_figures(groups: dict[str, list[Record]]) -> Figures:
     for r in groups.get("strategies", []):
         if r["concurrency"] == 1:
             fig.c1_p50_ms[str(r["config"])] = float(r["p50_ms"])  # type: ignore[arg-type]
+    fig.cost = cost_figures(groups.get("cost", []))
+    fig.gateways_rps = gateway_rps(groups.get("gateways", []))
+    fig.gateways_busy = machine_busy(groups.get("gateways", []))
     return fig
 
 
@@ -129,9 +192,42 @@ def target_rows(fig: Figures) -> list[list[object]]:
         rows.append(["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)",
                      f"{ratio:.2f}x ({fig.scale_rps[8]:.0f} vs {fig.scale_rps[1]:.0f} req/s; "
                      f"gateway ceiling {fig.gateway_ceiling_rps or 0:.0f} req/s)", _verdict(ratio >= capped)])
+    rows += serving_rows(fig)
     if (1, 1) in fig.placed_rps and (2, 2) in fig.placed_rps:
         ratio = fig.placed_rps[(2, 2)] / max(fig.placed_rps[(1, 1)], 1e-9)
         rows.append(["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)",
                      f"{ratio:.2f}x ({fig.placed_rps[(2, 2)]:.0f} vs {fig.placed_rps[(1, 1)]:.0f} req/s)",
                      _verdict(ratio >= 3.5)])
+    return rows
+
+
+COST_TARGET = 2.0  # vramguard's serving CPU per request at most this many times a bare uvicorn endpoint's
+SCALE_OUT_GAIN = 1.1  # 2 gateways must beat 1 by this much, unless 1 is already near the client's ceiling
+CLIENT_BOUND = 0.8  # a figure at this fraction of the client's own ceiling counts as client-limited
+
+
+def serving_rows(fig: Figures) -> list[list[object]]:
+    """Target rows of the serving cost (CPU per request) and of the gateway scale-out."""
+    rows: list[list[object]] = []
+    if fig.cost is not None:
+        ours, base = fig.cost.us_by_config[COST_OURS], fig.cost.us_by_config[COST_BASELINE]
+        split = ", ".join(f"{role} {ours[role]:.0f}" for role in ours if role not in ("total", "client", "rps"))
+        med = float(np.median(fig.cost.ratios))
+        rows.append([f"serving CPU per request at c=64 <= {COST_TARGET:.0f}x a bare uvicorn endpoint's",
+                     f"{med:.1f}x (min/med/max {spread(fig.cost.ratios)}); {ours['total']:.0f} µs ({split}) "
+                     f"vs {base['total']:.0f} µs", _verdict(med <= COST_TARGET)])
+    if 1 in fig.gateways_rps and 2 in fig.gateways_rps:
+        one, two = (float(np.median(fig.gateways_rps[n])) for n in (1, 2))
+        gain = two / max(one, 1e-9)
+        ceiling = fig.client_ceiling_rps
+        bound = ceiling is not None and one >= CLIENT_BOUND * ceiling
+        of_ceiling = f"; client's own ceiling {ceiling:.0f} req/s ({100 * two / ceiling:.0f}%)" if ceiling else ""
+        busy = fig.gateways_busy
+        saturated = busy is not None and busy >= CLIENT_BOUND
+        of_machine = f"; {100 * busy:.0f}% of the machine's cores busy at 1 gateway" if busy else ""
+        verdict = _verdict(gain >= SCALE_OUT_GAIN or bound)
+        if verdict == "**missed**" and saturated:
+            verdict = "**not shown** (the machine was already full at 1 gateway)"
+        rows.append(["2 gateway processes serve more than 1 (until the client's ceiling)",
+                     f"{gain:.2f}x ({two:.0f} vs {one:.0f} req/s, medians){of_ceiling}{of_machine}", verdict])
     return rows

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import matplotlib
 
-from bench.figures import Figures, PeerFigures, spread, summary_figures, target_rows
+from bench.figures import COST_BASELINE, Figures, PeerFigures, spread, summary_figures, target_rows
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
@@ -118,7 +118,7 @@ def write_report(out_dir: Path) -> Path:
     fig = summary_figures(groups)
     plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
     parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
-             _peer(groups, fig), _scale(groups, fig), _image(groups)]
+             _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig), _gateways(groups, fig)]
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
@@ -259,3 +259,50 @@ def _image(groups: dict[str, list[Record]]) -> str:
             f"{limit['batch_size']}, {limit['torch_threads']} torch threads): **{ceiling} items/s**. "
             "'% of limit' is the served items/s over it.\n\n"
             + table(SERVING_HEADERS, serving_rows(records, ceiling)))
+
+
+def _cost(groups: dict[str, list[Record]], fig: Figures) -> str:
+    records = groups.get("cost", [])
+    if not records or fig.cost is None:
+        return ""
+    base = {r["pair"]: float(r["server_cpu_us_per_request"]) for r in records  # type: ignore[arg-type]
+            if r["config"] == COST_BASELINE}
+    rows: list[list[object]] = []
+    for r in records:
+        roles = dict(r["cpu_us_per_request"])  # type: ignore[call-overload]
+        ratio = float(r["server_cpu_us_per_request"]) / base[r["pair"]] if base.get(r["pair"]) else None  # type: ignore[arg-type]
+        rows.append([r["pair"], r["config"], r["rps"], roles.get("gateway", roles.get("server")), roles.get("redis"),
+                     roles.get("workers"), r["server_cpu_us_per_request"], f"{ratio:.1f}x" if ratio else None,
+                     r["client_cpu_us_per_request"], r["answered"]])
+    return ("## Serving cost: CPU per request by process (concurrency 64, instant workers)\n\n"
+            "User + system CPU time of every server process (psutil) over a whole load point, divided by the "
+            "requests answered in it: vramguard with one instant synthetic worker (0 ms forward, batches up to "
+            "64), the same on asyncio's own loop with redis-py's pure-Python parser (the figure before uvloop and "
+            "hiredis), and a bare ASGI app on uvicorn, measured in turn round by round. CPU time per request "
+            "moves far less with a busy machine than throughput does. The load client's own CPU is shown "
+            "beside, not in the total.\n\n"
+            f"- vramguard / bare endpoint, min / median / max over {len(fig.cost.ratios)} rounds: "
+            f"**{spread(fig.cost.ratios)}**\n\n"
+            + table(["round", "configuration", "req/s", "gateway (or server) µs", "Redis µs", "workers µs",
+                     "server total µs", "vs bare", "load client µs", "requests"], rows))
+
+
+def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
+    records = groups.get("gateways", [])
+    if not records:
+        return ""
+    rows = [[r["pair"], r["gateways"], r["rps"], r["p50_ms"], r["p99_ms"],
+             dict(r["cpu_us_per_request"]).get("gateway"), r["server_cpu_us_per_request"],  # type: ignore[call-overload]
+             r["client_cpu_us_per_request"], _busy(r)] for r in records]
+    ceiling = f" The load client's own ceiling in this run: {fig.client_ceiling_rps} req/s." \
+        if fig.client_ceiling_rps else ""
+    return ("## Gateway scale-out (concurrency 64, 2 instant workers)\n\n"
+            "1 and 2 gateway processes on one port (SO_REUSEPORT: the kernel spreads connections over them; "
+            "each keeps its own reply stream), as `make up GATEWAYS=N` runs them, measured in turn round by "
+            f"round.{ceiling}\n\n"
+            + table(["round", "gateways", "req/s", "p50 ms", "p99 ms", "gateway µs per request",
+                     "server total µs", "load client µs", "cores busy: server + client / whole machine"], rows))
+
+
+def _busy(r: Record) -> str:
+    return f"{r.get('cores_busy')} / {r.get('machine_cores_busy')} of {r.get('cores')}"

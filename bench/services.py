@@ -78,6 +78,9 @@ class VramguardService:
     # Workers placed as `make up` places them (CUDA_VISIBLE_DEVICES, share, workers per GPU, from
     # deploy/programs.py); None: `workers` unpinned workers.
     groups: list[WorkerGroup] | None = None
+    # Gateway processes on the one port (SO_REUSEPORT, as `make up GATEWAYS=N` runs them).
+    gateways: int = 1
+    extra_gateways: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def start(self) -> None:
         """Start everything and wait for /health/ready. Raises RuntimeError with the logs if not ready."""
@@ -86,8 +89,10 @@ class VramguardService:
         self.redis.start()
         base = {"served_models": self.model, "model": self.model, "heartbeat_interval_ms": 250,
                 "heartbeat_ttl_ms": 5000, "log_level": "WARNING"}
-        self.stack = Stack(self.redis.url, self.log_dir, **{**base, **self.settings})
+        shared_port = {"reuse_port": True} if self.gateways > 1 else {}
+        self.stack = Stack(self.redis.url, self.log_dir, **{**base, **shared_port, **self.settings})
         self.stack.start_gateway()
+        self.extra_gateways = [self.stack.spawn_gateway(f"gateway-{i}") for i in range(1, self.gateways)]
         if self.groups is None:
             for _ in range(self.workers):
                 self.stack.start_worker()
@@ -129,11 +134,20 @@ class VramguardService:
         return device_memory_mib(self.heartbeats())
 
     def pids(self) -> list[int]:
+        return [pid for pids in self.roles().values() for pid in pids]
+
+    def roles(self) -> dict[str, list[int]]:
+        """The server's processes by role, for the serving-cost suite (bench/cost.py)."""
         assert self.stack is not None and self.redis is not None and self.redis.proc is not None
-        procs = [*self.stack.workers, self.stack.gateway, self.redis.proc]
-        return [p.pid for p in procs if p is not None]
+        gateways = [self.stack.gateway, *self.extra_gateways]
+        return {"gateway": [p.pid for p in gateways if p is not None], "redis": [self.redis.proc.pid],
+                "workers": [p.pid for p in self.stack.workers]}
 
     def stop(self) -> None:
+        for proc in self.extra_gateways:
+            proc.terminate()
+        for proc in self.extra_gateways:
+            proc.wait(timeout=20)
         if self.stack is not None:
             self.stack.stop()
         if self.redis is not None:
@@ -182,6 +196,9 @@ class ProcessService:
 
     def pids(self) -> list[int]:
         return [self.proc.pid] if self.proc is not None else []
+
+    def roles(self) -> dict[str, list[int]]:
+        return {"server": self.pids()}
 
     def stop(self) -> None:
         """SIGTERM the process and its children; SIGKILL what is left after 15 s."""

@@ -8,6 +8,9 @@ load point) tagged with `suite` and `config`:
     scale       synthetic workers 1, 2, 4, 8, 2 simulated GPUs x 2 workers against 1 x 1 (placed as
                 `make up` places them), and the gateway's ceiling with instant workers
     image       efficientnet at concurrency 1 and 32 against its in-process ceiling (bench/image.py)
+    cost        serving CPU per request by process (gateway, Redis, workers) against a bare uvicorn
+                endpoint, instant workers, alternating (bench/cost.py)
+    gateways    1 and 2 gateway processes on one port, instant workers, alternating
 """
 
 from __future__ import annotations
@@ -18,11 +21,14 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from bench.corpus import load_corpus
+from bench.cost import cost_point
+from bench.figures import COST_BASELINE, COST_OURS
 from bench.loadgen import body_cycle, run_point
 from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
 from bench.stats import summarize, worker_view
@@ -62,6 +68,7 @@ class Service(Protocol):
     def counters(self) -> dict[str, float] | None: ...
     def device_memory(self) -> dict[str, float]: ...
     def pids(self) -> list[int]: ...
+    def roles(self) -> dict[str, list[int]]: ...
 
 
 def measure(service: Service, cfg: BenchConfig, concurrency: int, *,
@@ -224,5 +231,68 @@ def image(cfg: BenchConfig) -> Records:
     yield from image_suite(cfg)
 
 
+def instant(cfg: BenchConfig, name: str, *, workers: int = 1, gateways: int = 1,
+            **settings: object) -> VramguardService:
+    """A stack of instant synthetic workers (0 ms forward, batches up to 64): only the serving path works."""
+    service = synthetic(cfg, name, workers, 0.0, max_batch_size=64)
+    service.settings.update(settings)
+    service.gateways = gateways
+    return service
+
+
+def alternate(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]],
+              point: Callable[[str, Service, int], dict[str, object]]) -> Records:
+    """Start every service, then measure them in turn (A B C A B C ...) for `cfg.pairs` rounds, so
+    that machine drift falls on all of them alike; `point(config, service, round)` measures one."""
+    with ExitStack() as up:
+        for _config, service in services:
+            service.start()
+            up.callback(service.stop)
+        for round_ in range(cfg.pairs):
+            for config, service in services:
+                yield {"suite": suite, "config": config, "pair": round_, "system": service.kind,
+                       **point(config, service, round_)}
+
+
+def cost(cfg: BenchConfig) -> Records:
+    """Serving CPU per request at concurrency 64 by process: vramguard with one instant worker,
+    the same on asyncio's own loop with redis-py's Python parser (the figure before uvloop and
+    hiredis), and a bare uvicorn endpoint (the baseline of the ratio), alternating."""
+    services: list[tuple[str, Service]] = [
+        (COST_OURS, instant(cfg, "cost-vramguard")),
+        ("vramguard, asyncio loop + Python Redis parser",
+         instant(cfg, "cost-plain", event_loop="asyncio", redis_parser="python")),
+        (COST_BASELINE, trivial(cfg.log_dir)),
+    ]
+
+    def point(config: str, service: Service, round_: int) -> dict[str, object]:
+        return cost_point(service.infer_url, service.roles(), concurrency=PEER_CONCURRENCY,
+                          duration_s=cfg.duration_s, warmup_s=cfg.warmup_s, label=f"cost {config} #{round_}",
+                          progress=cfg.progress)
+
+    yield from alternate(cfg, "cost", services, point)
+
+
+GATEWAY_COUNTS = (1, 2)  # 2 cores: the load client is the limit well before a third gateway could pay
+
+
+def gateways(cfg: BenchConfig) -> Records:
+    """Gateway scale-out: throughput and serving CPU at concurrency 64 with 1 and 2 gateway
+    processes on one port (SO_REUSEPORT), 2 instant workers each, alternating; compare with the
+    client's own ceiling (suite `ceiling`)."""
+    services: list[tuple[str, Service]] = [
+        (f"{n} gateway{'s' if n > 1 else ''}", instant(cfg, f"gateways-{n}", workers=2, gateways=n))
+        for n in GATEWAY_COUNTS
+    ]
+
+    def point(config: str, service: Service, round_: int) -> dict[str, object]:
+        return {"gateways": int(config.split()[0]),
+                **cost_point(service.infer_url, service.roles(), concurrency=PEER_CONCURRENCY,
+                             duration_s=cfg.duration_s, warmup_s=cfg.warmup_s, label=f"{config} #{round_}",
+                             progress=cfg.progress)}
+
+    yield from alternate(cfg, "gateways", services, point)
+
+
 SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale,
-          "image": image}
+          "image": image, "cost": cost, "gateways": gateways}

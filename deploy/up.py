@@ -84,6 +84,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "or indexes / UUIDs, comma-separated")
     parser.add_argument("--placement", type=Path, help="a TOML placement (deploy/placement.example.toml): "
                         "models, their GPUs, workers and memory shares; replaces --model/--gpus/--workers-per-gpu")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateway processes on the one port (SO_REUSEPORT; each its own reply stream; default 1)")
     parser.add_argument("--workers-only", action="store_true",
                         help="run only the worker programs (a worker container; Redis and the gateway run elsewhere)")
     return parser.parse_args(argv)
@@ -138,11 +140,15 @@ def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
         refuse("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
 
 
-def build_env(workers_only: bool, groups: list[WorkerGroup]) -> dict[str, str]:
+def build_env(workers_only: bool, groups: list[WorkerGroup], gateways: int = 1) -> dict[str, str]:
     """The environment of supervisord: the VG_* variables deploy/supervisord.conf reads, the
-    gateway's settings, and the run dir of this stack (.run/<port>/, so two stacks do not share
-    a control socket)."""
+    gateway's settings (`gateways` processes on one port: reuse_port when more than one), and the
+    run dir of this stack (.run/<port>/, so two stacks do not share a control socket)."""
     env = dict(os.environ)
+    if gateways < 1:
+        refuse(f"GATEWAYS={gateways}: must be at least 1")
+    if gateways > 1:
+        env["VRAMGUARD_REUSE_PORT"] = "true"
     redis_port = env_port(env, "VRAMGUARD_REDIS_PORT", "6379")
     env.pop("VRAMGUARD_REDIS_PORT", None)  # consumed here; no process setting by that name
     start_redis = "VRAMGUARD_REDIS_URL" not in env and not workers_only
@@ -170,6 +176,7 @@ def build_env(workers_only: bool, groups: list[WorkerGroup]) -> dict[str, str]:
         VG_REDIS_PORT=redis_port,
         VG_START_REDIS="true" if start_redis else "false",
         VG_START_GATEWAY="false" if workers_only else "true",
+        VG_GATEWAYS=str(gateways),
         HF_HUB_OFFLINE="1",
         PYTHONUNBUFFERED="1",
     )
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # VRAMGUARD_REDIS_PORT is the launcher's own (build_env consumes it); no process has that setting.
     groups = place(args, load_settings({k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}))
-    env = build_env(args.workers_only, groups)
+    env = build_env(args.workers_only, groups, args.gateways)
     load_settings(env)
     check_workers(env, groups)
     write_programs(Path(env["VG_RUN_DIR"]), groups, log_to_stdout=args.workers_only)

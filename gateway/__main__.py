@@ -10,7 +10,7 @@ from types import FrameType
 import uvicorn
 
 from gateway.app import create_app, drain_requests
-from gateway.server import uvicorn_options
+from gateway.server import shared_port_socket, uvicorn_options
 from shared.logs import configure_logging
 from shared.settings import Settings, SettingsError
 
@@ -32,7 +32,8 @@ def main() -> int:
         timeout_graceful_shutdown=int(settings.shutdown_grace_s) + 1,
         **uvicorn_options(settings),  # type: ignore[arg-type]
     )
-    DrainingServer(config, app).run()
+    listener = shared_port_socket(settings) if settings.reuse_port else None
+    DrainingServer(config, app).run(sockets=[listener] if listener is not None else None)
     return 0
 
 

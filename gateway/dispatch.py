@@ -16,6 +16,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from gateway.backpressure import ThroughputMeter, retry_after_s
+from gateway.coalesce import ScriptBatcher
 from gateway.health import Health
 from gateway.replies import INIT_FIELD, ReplyListener
 from shared.clock import monotonic_ms, now_ms
@@ -27,13 +28,14 @@ from shared.errors import (
     error_from_code,
 )
 from shared.keys import Keys
+from shared.models import ModelConfig
 from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
 from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Admission, atomic (issue 4), on the model's hash slot only, and idempotent per request id.
+# Admission, atomic, on the model's hash slot only, and idempotent per request id.
 # KEYS: request stream, the request's admission record (same slot: shared/keys.py). ARGV:
 # queue_bound, entry field, packed request, admission record TTL ms.
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
@@ -84,9 +86,19 @@ class Dispatcher:
         self._throughput = {model: ThroughputMeter() for model in settings.served_models}
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
+        self._scripts = ScriptBatcher(redis)
+        self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
         return f"<Dispatcher submitted={self.submitted} answered={self.answered} failed={self.failed}>"
+
+    def config_for(self, model: str) -> ModelConfig:
+        """`model`'s settings (Settings.model_config_for), built once: settings do not change while
+        the gateway runs, and rebuilding them costs a pydantic validation per call."""
+        config = self._configs.get(model)
+        if config is None:
+            config = self._configs[model] = self._settings.model_config_for(model)
+        return config
 
     def check_model(self, model: str) -> None:
         """Raise ModelNotFoundError unless this gateway serves `model`."""
@@ -121,7 +133,7 @@ class Dispatcher:
             Every raised error carries the request id once one was assigned.
         """
         self.check_model(model)
-        config = self._settings.model_config_for(model)
+        config = self.config_for(model)
         request_id = request_id or RequestId(uuid.uuid4().hex)
         started_ms = monotonic_ms()
         timeout_ms = timeout_ms or config.default_timeout_ms
@@ -185,17 +197,19 @@ class Dispatcher:
             self._listener.discard(request_id)
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
-        """Check the bound and XADD in one step (ADMISSION), while ENSURE_REPLY_STREAM checks the
-        reply stream concurrently (one round trip of latency, two slots). Raises QueueFullError with
-        a Retry-After from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
-        config = self._settings.model_config_for(model)
-        # gather starts the reply-stream check first: in the data-loss case the stream exists again
-        # long before a worker can have read, run and answered the new entry.
+        """Check the bound and XADD in one step (ADMISSION), after ENSURE_REPLY_STREAM has checked
+        the reply stream: both in the one round trip this loop pass's admissions share
+        (gateway/coalesce.py; two slots under Cluster). Raises QueueFullError with a Retry-After
+        from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
+        config = self.config_for(model)
+        # The reply-stream check runs first: in the data-loss case the stream exists again before
+        # a worker can have read, run and answered the new entry.
         results = await asyncio.gather(
-            self._ensure_reply(keys=[self._listener.stream], args=[
-                INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
-            self._admission(keys=[self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
-                            args=[config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
+            self._scripts.call(self._ensure_reply, [self._listener.stream],
+                               [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
+            self._scripts.call(self._admission,
+                               [self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
+                               [config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
             return_exceptions=True,  # both always finish; the first error is raised below
         )
         recreated, admitted = results

@@ -64,7 +64,7 @@ async def submit(
     """
     model = record.model
     spec = settings_of(request).spec_for(model)
-    check_input_count(model, settings_of(request).model_config_for(model), len(inputs))
+    check_input_count(model, dispatcher_of(request).config_for(model), len(inputs))
     check_parameters(spec, parameters)
     truncate = parameters.get("truncate") is True
     prepared: list[object]

@@ -8,7 +8,7 @@ import secrets
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import JsonValue
 from starlette.datastructures import Headers
 
@@ -16,22 +16,24 @@ from gateway.edge import JSON, header_timeout, read_body, require_media_type
 from gateway.health import Health
 from gateway.inference import dispatcher_of, inference_request, settings_of, submit
 from gateway.openapi import NATIVE_ERRORS, error_responses, request_body
+from gateway.render import FastJSONResponse
 from gateway.schemas import (
     InferRequest,
     InferResponse,
     ModelInfo,
     ModelList,
     check_wire_ints,
-    jsonable,
     parse_infer_request,
     query_parameters,
 )
 from shared.errors import UnauthorizedError
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """When `Settings.api_key` is set, the request must carry it as `Authorization: Bearer <key>` or
-    `X-API-Key: <key>`; else UnauthorizedError (401). Compared in constant time."""
+    `X-API-Key: <key>`; else UnauthorizedError (401). Compared in constant time. A coroutine
+    although it never awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
+    hop per request."""
     key = settings_of(request).api_key
     if key is None:
         return
@@ -68,7 +70,7 @@ async def infer(
     model: str,
     request: Request,
     x_request_timeout_ms: Annotated[str | None, Header()] = None,
-) -> InferResponse:
+) -> Response:
     """Run `inputs` through `model`; one output per input, in order. The body must be
     application/json (optionally gzip-encoded); `parameters` takes only what the model declares.
     A bytes model also takes one raw input as the body when its Content-Type is one of the
@@ -84,8 +86,8 @@ async def infer(
             parsed = parse_infer_request(body)
             reply = await submit(request, record, list(parsed.inputs), dict(parsed.parameters),
                                  parsed.timeout_ms or header_ms)
-    return InferResponse(model=model, request_id=str(record.request_id),
-                         outputs=[jsonable(v) for v in reply.outputs or []])
+    # InferResponse's shape, written from the reply's arrays directly (gateway/render.py).
+    return FastJSONResponse({"model": model, "request_id": str(record.request_id), "outputs": reply.outputs or []})
 
 
 @router.get("/v1/models", response_model=ModelList)

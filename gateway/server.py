@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Any, ClassVar
 
 import httptools
@@ -147,10 +148,23 @@ def protocol_class(settings: Settings) -> type[GuardedHttpToolsProtocol]:
 
 
 def uvicorn_options(settings: Settings) -> dict[str, object]:
-    """uvicorn.Config keyword arguments for the HTTP limits uvicorn has knobs for."""
+    """uvicorn.Config keyword arguments: the HTTP limits uvicorn has knobs for, and the event loop."""
     return {
         "http": protocol_class(settings),
+        "loop": settings.event_loop,
         "timeout_keep_alive": settings.http_keep_alive_s,
         "server_header": False,  # do not announce the server software to clients
     }
 
+
+def shared_port_socket(settings: Settings) -> socket.socket:
+    """The listening socket of one of several gateway processes on `settings.host:port`, bound with
+    SO_REUSEPORT so that each process has its own accept queue and the kernel spreads new
+    connections over them (uvicorn's own `workers` would fork children of one server, without
+    gateway/__main__.py's drain). Raises OSError when the port is held without SO_REUSEPORT."""
+    family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((settings.host, settings.port))
+    return sock

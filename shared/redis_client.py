@@ -18,6 +18,7 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import redis.asyncio as aioredis
+from redis._parsers import _AsyncRESP2Parser
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
@@ -77,6 +78,12 @@ def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
                     db=db, **client_kwargs)
 
 
+def _parser(settings: Settings) -> dict[str, Any]:
+    """Connection kwargs for Settings.redis_parser: none for "auto" (redis-py takes hiredis when it
+    is installed), its pure-Python RESP2 parser for "python"."""
+    return {"parser_class": _AsyncRESP2Parser} if settings.redis_parser == "python" else {}
+
+
 def connect(settings: Settings) -> aioredis.Redis:
     """A pooled client for non-blocking commands; binary replies (decode_responses=False).
 
@@ -87,7 +94,7 @@ def connect(settings: Settings) -> aioredis.Redis:
     """
     common: dict[str, Any] = {
         "socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "retry": _retry(), "retry_on_error": _retry_on(), "health_check_interval": 10,
+        "retry": _retry(), "retry_on_error": _retry_on(), "health_check_interval": 10, **_parser(settings),
     }
     if settings.redis_cluster:
         common.pop("health_check_interval")
@@ -109,7 +116,7 @@ def connect_blocking(settings: Settings) -> aioredis.Redis:
     Its errors reach the reader's own retry loop (which backs off and reads again)."""
     common: dict[str, Any] = {
         "socket_timeout": settings.block_ms / 1000 + 5.0, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "retry": _retry(2), "retry_on_error": _retry_on(),
+        "retry": _retry(2), "retry_on_error": _retry_on(), **_parser(settings),
     }
     if settings.redis_cluster:
         return cast(aioredis.Redis, RedisCluster.from_url(settings.redis_url, max_connections=4, **common))

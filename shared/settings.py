@@ -48,6 +48,9 @@ class Settings(BaseSettings):
     redis_cluster: bool = False
     # Start-up check of maxmemory-policy: "warn" logs loudly when Redis may evict our keys, "refuse" exits.
     redis_eviction_check: Literal["warn", "refuse", "off"] = "warn"
+    # redis-py's reply parser: hiredis (C) when installed ("auto"), or redis-py's pure-Python one
+    # ("python": the before-figure of the serving-cost benchmark, or to rule hiredis out).
+    redis_parser: Literal["auto", "python"] = "auto"
     key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
     host: str = "0.0.0.0"
     port: int = Field(8000, ge=1, le=65535)
@@ -77,6 +80,11 @@ class Settings(BaseSettings):
     # --- HTTP ---
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     access_log: bool = False
+    # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
+    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    # Several gateway processes on one port (`make up GATEWAYS=N`): each binds with SO_REUSEPORT and
+    # the kernel spreads connections over them; each keeps its own reply stream.
+    reuse_port: bool = False
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # The HTTP server's limits against slow or hostile clients (gateway/server.py). Keep-alive:

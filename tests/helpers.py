@@ -141,6 +141,11 @@ class Stack:
     def start_gateway(self, **extra: object) -> None:
         self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
 
+    def spawn_gateway(self, name: str, **extra: object) -> subprocess.Popen[bytes]:
+        """Another gateway process on this stack's port (it needs reuse_port=True in the settings,
+        as does the first); the caller stops it."""
+        return self._spawn("gateway", name, port=self.port, **extra)
+
     def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
         """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
         CUDA_VISIBLE_DEVICES) added to its environment."""
@@ -216,8 +221,8 @@ class SupervisedWorker:
     def start(self) -> None:
         write_programs(self.folder, [self.group])
         env = {**self.env, "VG_RUN_DIR": str(self.folder), "VG_ROOT": str(ROOT), "VG_PYTHON": sys.executable,
-               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_REDIS_SERVER": "redis-server",
-               "VG_REDIS_PORT": "0"}
+               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_GATEWAYS": "1",
+               "VG_REDIS_SERVER": "redis-server", "VG_REDIS_PORT": "0"}
         self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)],
                                      env=env, cwd=self.folder,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -45,8 +45,8 @@ class Supervisor:
         write_programs(stack.log_dir, [self.group])
         env = {**service_env(stack.redis_url, **{**stack.settings, **settings}),
                "VG_RUN_DIR": str(stack.log_dir), "VG_ROOT": str(ROOT), "VG_PYTHON": sys.executable,
-               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_REDIS_SERVER": "redis-server",
-               "VG_REDIS_PORT": "0"}
+               "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_GATEWAYS": "1",
+               "VG_REDIS_SERVER": "redis-server", "VG_REDIS_PORT": "0"}
         env.pop("VRAMGUARD_WORKER_NAME", None)  # the program names each process
         proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)], env=env,
                                 cwd=stack.log_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

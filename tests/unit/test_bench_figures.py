@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.figures import summary_figures, target_rows
+from bench.figures import COST_BASELINE, COST_OURS, summary_figures, target_rows
 
 
 def point(suite: str, config: str, concurrency: int, rps: float, p99_ms: float, **extra: object) -> dict[str, object]:
@@ -51,3 +51,41 @@ def test_target_verdicts() -> None:
     assert rows["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)"][2] == "**met**"  # 7.6x
     assert rows["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)"][1:] == [
         "3.75x (90 vs 24 req/s)", "**met**"]
+
+
+def cost_point(config: str, pair: int, roles: dict[str, float], rps: float = 500.0) -> dict[str, object]:
+    return {"suite": "cost", "config": config, "pair": pair, "concurrency": 64, "rps": rps,
+            "cpu_us_per_request": roles, "server_cpu_us_per_request": sum(roles.values()),
+            "client_cpu_us_per_request": 900.0, "answered": 1000}
+
+
+def test_serving_cost_ratio_per_round_and_verdict() -> None:
+    records = run_records()
+    records["cost"] = [cost_point(COST_OURS, 0, {"gateway": 60.0, "redis": 20.0, "workers": 20.0}),
+                       cost_point(COST_BASELINE, 0, {"server": 50.0}),
+                       cost_point(COST_OURS, 1, {"gateway": 90.0, "redis": 30.0, "workers": 30.0}),
+                       cost_point(COST_BASELINE, 1, {"server": 50.0})]
+    fig = summary_figures(records)
+    assert fig.cost is not None
+    # 1. One ratio per round, ours over the bare endpoint's, each within its own round.
+    assert fig.cost.ratios == pytest.approx([2.0, 3.0])
+    # 2. Per-role medians over the rounds.
+    assert fig.cost.us_by_config[COST_OURS]["gateway"] == 75.0
+    assert fig.cost.us_by_config[COST_OURS]["total"] == 125.0
+    row = next(r for r in target_rows(fig) if r[0].startswith("serving CPU per request"))
+    # 3. The median ratio 2.5 misses the 2x target; the split names each process.
+    assert row[2] == "**missed**" and "gateway 75, redis 25, workers 25" in row[1]
+
+
+@pytest.mark.parametrize(("one", "two", "busy", "verdict"), [
+    (400.0, 700.0, 1.0, "**met**"), (400.0, 410.0, 1.0, "**missed**"), (1000.0, 1010.0, 1.0, "**met**"),
+    (400.0, 410.0, 1.9, "**not shown** (the machine was already full at 1 gateway)")])
+def test_scale_out_verdict_counts_the_client_ceiling(one: float, two: float, busy: float, verdict: str) -> None:
+    """2 gateways must beat 1 by 10 %, unless 1 gateway already reaches 80 % of the client's ceiling
+    (met) or server and client already keep 80 % of the cores busy (not shown either way)."""
+    records = run_records()
+    records["ceiling"] = [{"suite": "ceiling", "rps": 1200.0}]
+    records["gateways"] = [{"suite": "gateways", "gateways": n, "rps": rps, "pair": 0, "cores_busy": busy, "cores": 2}
+                           for n, rps in ((1, one), (2, two))]
+    row = next(r for r in target_rows(summary_figures(records)) if r[0].startswith("2 gateway processes"))
+    assert row[2] == verdict

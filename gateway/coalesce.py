@@ -1,0 +1,112 @@
+"""Redis scripts of concurrent requests in one round trip: every script call made during one
+pass of the event loop goes out in a single pipeline (EVALSHA each, in call order), so at
+concurrency 64 the gateway pays one write and one read for a burst of admissions instead of two
+per request. Nothing waits to fill a batch: a call alone is sent on the next loop pass."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import SentinelConnectionPool
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.typing import EncodableT
+
+from shared.redis_client import RETRIES
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    script: AsyncScript
+    keys: list[str]
+    args: list[EncodableT]
+
+
+async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[object]:
+    """Run `calls` in order in one pipelined round trip (not a transaction, so under Cluster their
+    keys may lie in different slots). Returns each call's result or its exception; raises
+    RedisError when the round trip itself fails (after the client's own retries).
+
+    Calls that did nothing and may succeed later are sent again, alone: NOSCRIPT (Redis restarted
+    or was flushed: the script is loaded first) and READONLY (the primary was demoted under a
+    Sentinel failover: a pipeline returns the error instead of retrying, so the pool's
+    connections are dropped, the next one asks the sentinels for the new primary, and the call
+    waits out the promotion with the client's backoff, shared/redis_client.py). No call runs twice.
+
+    Under Redis Cluster (redis-py refuses EVALSHA in a cluster pipeline) and under Sentinel (a
+    failover test lost requests with pipelines: single commands are what redis-py's retries
+    cover), each call is its own command, all sent at once: one round trip of latency, not of
+    syscalls."""
+    if isinstance(redis, RedisCluster) or isinstance(redis.connection_pool, SentinelConnectionPool):
+        return list(await asyncio.gather(*(c.script(keys=c.keys, args=c.args) for c in calls),
+                                         return_exceptions=True))
+    results: list[object] = [None] * len(calls)
+    todo = list(range(len(calls)))
+    backoff = ExponentialWithJitterBackoff(base=0.05, cap=0.5)
+    for attempt in range(RETRIES + 1):
+        async with redis.pipeline(transaction=False) as pipe:
+            for i in todo:
+                pipe.evalsha(calls[i].script.sha, len(calls[i].keys), *calls[i].keys, *calls[i].args)
+            answers = await pipe.execute(raise_on_error=False)
+        for i, answer in zip(todo, answers, strict=True):
+            results[i] = answer
+        todo = [i for i in todo if isinstance(results[i], NoScriptError) or _read_only(results[i])]
+        if not todo or attempt == RETRIES:
+            break
+        missing = {calls[i].script.sha: calls[i].script for i in todo if isinstance(results[i], NoScriptError)}
+        for script in missing.values():
+            await redis.script_load(script.script)
+        if any(_read_only(results[i]) for i in todo):
+            await redis.connection_pool.disconnect()
+            await asyncio.sleep(backoff.compute(attempt + 1))
+    return results
+
+
+def _read_only(result: object) -> bool:
+    """A write refused by a replica: READONLY, also as Redis 6 wraps it inside a script's error."""
+    return isinstance(result, ReadOnlyError) or (isinstance(result, ResponseError) and "-READONLY" in str(result))
+
+
+class ScriptBatcher:
+    """Collects script calls and sends each loop pass's calls as one `run_scripts` round trip.
+
+    `call` returns a future of the call's result (an exception object when that script failed,
+    as run_scripts returns it); when the round trip itself fails, every future of the batch gets
+    that RedisError. The round trip runs as its own task, never cancelled by a caller (a cancelled
+    redis-py command can poison its connection).
+    """
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self._redis = redis
+        self._pending: list[tuple[ScriptCall, asyncio.Future[object]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def call(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> asyncio.Future[object]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        if not self._pending:
+            loop.call_soon(self._flush)
+        self._pending.append((ScriptCall(script, keys, args), future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._send(batch))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, batch: list[tuple[ScriptCall, asyncio.Future[object]]]) -> None:
+        try:
+            results = await run_scripts(self._redis, [call for call, _f in batch])
+        except Exception as exc:  # the round trip failed: every caller of the batch sees why
+            for _call, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_call, future), result in zip(batch, results, strict=True):
+            if not future.done():
+                future.set_result(result)
