@@ -81,7 +81,7 @@ async def drop_admission_records(redis: aioredis.Redis, keys: Keys) -> int:
     found = [k async for k in redis.scan_iter(match=keys.admission("*", "*"), count=1000)]
     for key in found:
         ttl_ms = await redis.pttl(key)
-        assert 0 < ttl_ms <= ADMISSION_RECORD_TTL_MS or ttl_ms == -2, (key, ttl_ms)  # -2: expired meanwhile
+        assert 0 <= ttl_ms <= ADMISSION_RECORD_TTL_MS or ttl_ms == -2, (key, ttl_ms)  # 0, -2: expiring, expired
     if found:
         await redis.delete(*found)
     return len(found)
