@@ -1,1 +1,1 @@
-"""vramguard's benchmarks (issue 6): `python -m bench --help`. Results in bench/RESULTS.md."""
+"""vramguard's benchmarks: `python -m bench --help`. Results in bench/RESULTS.md."""

@@ -1,4 +1,4 @@
-"""`python -m bench`: vramguard's benchmarks (issue 6). `python -m bench all` is what `make bench`
+"""`python -m bench`: vramguard's benchmarks. `python -m bench all` is what `make bench`
 runs: every suite, then bench/RESULTS.md and bench/results/plot.png from the JSON lines."""
 
 from __future__ import annotations

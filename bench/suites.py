@@ -1,4 +1,4 @@
-"""The measurements of issue 6, one function per suite; each returns JSON-ready records (one per
+"""The measurements, one function per suite; each returns JSON-ready records (one per
 load point) tagged with `suite` and `config`:
 
     ceiling     the load client against a trivial endpoint (its own limit)

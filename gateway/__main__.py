@@ -38,7 +38,7 @@ def main() -> int:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a drain before its own shutdown (issue 4): the first SIGTERM flips
+    """uvicorn's server with a drain before its own shutdown: the first SIGTERM flips
     readiness to 503 and lets requests in flight finish (app.drain_requests) while the port
     still answers, so a load balancer sees "not ready" rather than a refused connection; then
     uvicorn shuts down as usual. A second signal exits at once (uvicorn's behaviour)."""

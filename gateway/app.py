@@ -103,7 +103,7 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 async def drain_requests(app: FastAPI) -> None:
-    """Graceful shutdown, first half (issue 4): readiness and admission answer 503 from now on,
+    """Graceful shutdown, first half: readiness and admission answer 503 from now on,
     requests in flight get up to `shutdown_grace_s` for their reply, the rest fail with 503.
     Idempotent; gateway/__main__.py calls it on SIGTERM while uvicorn still serves, the lifespan
     again at exit."""

@@ -1,4 +1,4 @@
-"""`GatewayMetrics`: the one Prometheus registry of a gateway and `GET /metrics` (issue 5).
+"""`GatewayMetrics`: the one Prometheus registry of a gateway and `GET /metrics`.
 
 Gateway-side series (requests by model and outcome, latency, in flight) are recorded around
 each inference request by `track`; worker and queue series are built at scrape time by

@@ -1,4 +1,4 @@
-"""Queue statistics read at scrape time (issue 5): entries waiting, pending entries and dead
+"""Queue statistics read at scrape time: entries waiting, pending entries and dead
 letters per model, for /metrics and the status page (read-only; one pipeline per call), and
 `ensure_groups`, which creates each served model's request stream and `workers` group at gateway
 start, so an autoscaler reading the group's lag finds it before the first worker exists."""

@@ -32,7 +32,7 @@ from shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
-# Short commands: give up fast so that a request never hangs on a dead Redis (issue 4).
+# Short commands: give up fast so that a request never hangs on a dead Redis.
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
 POOL_MAX_CONNECTIONS = 64  # per process (per node under Cluster); more concurrent commands wait
@@ -49,7 +49,7 @@ SAFE_POLICY = "noeviction"
 
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
-    """Sentinel's primary lookup with the blocking pool's wait-for-a-free-connection (issue 4):
+    """Sentinel's primary lookup with the blocking pool's wait-for-a-free-connection:
     SentinelConnectionPool passes its kwargs (max_connections, timeout) on to BlockingConnectionPool."""
 
 
@@ -88,7 +88,7 @@ def connect(settings: Settings) -> aioredis.Redis:
     """A pooled client for non-blocking commands; binary replies (decode_responses=False).
 
     The pool blocks (up to COMMAND_TIMEOUT_S) when all POOL_MAX_CONNECTIONS are busy, instead of
-    redis-py's default pool raising "Too many connections" at 100 concurrent requests (issue 4).
+    redis-py's default pool raising "Too many connections" at 100 concurrent requests.
     Under Cluster the result is a RedisCluster: it has the same command methods, and the key
     layout (shared/keys.py) keeps every script and MULTI inside one hash slot.
     """

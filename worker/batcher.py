@@ -5,7 +5,7 @@ Items are what is batched: an entry whose request carries 3 inputs counts 3 towa
 `max_batch_size`. The window is a shrinking deadline on the monotonic clock, `max_wait_ms`
 from the first entry, with one loop for every window length (0 included). It opens only when
 the previous batch held more than one item: at low load nothing else is queued and waiting
-would only add latency (issue 6's concurrency-1 target), while under load the previous batch
+would only add latency (the concurrency-1 latency target), while under load the previous batch
 was full and the window helps fill the next one.
 """
 

@@ -1,4 +1,4 @@
-"""Cost-based batching (issue 3): the entries of one read are grouped into forwards by their
+"""Cost-based batching: the entries of one read are grouped into forwards by their
 padded cost, cheapest first, so that one long input is not padded together with many short
 ones. Pure arithmetic; the runner serves and publishes each group in turn."""
 

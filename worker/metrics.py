@@ -1,4 +1,4 @@
-"""Worker-side metrics (issue 5): batch size, queue delay and forward duration histograms,
+"""Worker-side metrics: batch size, queue delay and forward duration histograms,
 throughput over the last minute and GPU utilisation, published as heartbeat fields.
 
 The histograms are prometheus_client Histograms in a private registry (the library does the

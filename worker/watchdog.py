@@ -1,4 +1,4 @@
-"""The worker's watchdog (issue 5): is this worker still able to compute?
+"""The worker's watchdog: is this worker still able to compute?
 
 Two signals: an idle probe (a tiny forward through the backend's example inputs once the
 worker has served nothing for `probe_interval_s`) and the run of consecutive failed batches

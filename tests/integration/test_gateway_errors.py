@@ -1,4 +1,4 @@
-"""Every client error of issue 2 through the real gateway app and a real Redis: status and code."""
+"""Every error a client can get through the real gateway app and a real Redis: status and code."""
 
 from __future__ import annotations
 

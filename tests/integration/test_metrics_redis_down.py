@@ -1,5 +1,5 @@
 """/metrics, the status JSON and readiness while Redis is down: answers, not hangs or stale
-numbers (issue 5's failure path), with a private real redis-server that the test stops."""
+numbers (the failure path of a scrape), with a private real redis-server that the test stops."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Readiness that tells the truth, and the worker's watchdog (issue 5), with a real Redis, an
+"""Readiness that tells the truth, and the worker's watchdog, with a real Redis, an
 in-process gateway and in-process workers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The observability settings (issue 5): defaults, ranges, and the probe fault guarded by
+"""The observability settings: defaults, ranges, and the probe fault guarded by
 fault injection, each refused with the variable named."""
 
 from __future__ import annotations
