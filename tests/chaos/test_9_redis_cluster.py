@@ -7,8 +7,10 @@
    own primary, and the gateway's reply stream wherever its tag hashes.
 4. Worker SIGKILL: under load, a synthetic worker is killed mid-batch and restarted under its name.
 
-Result: every request is answered exactly once with 200; the killed worker's batch is
-reclaimed within its slot; no command ever spanned two slots (a CROSSSLOT error would fail them).
+Result: every request is answered exactly once with 200 and, by the workers' execution log,
+ran at least once, more than once only when the killed process ran it first; the killed
+worker's batch is reclaimed within its slot; no command ever spanned two slots (a CROSSSLOT
+error would fail them).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+import redis.asyncio as aioredis
 from redis.crc import key_slot
 
 from shared.keys import GROUP, Keys, hash_tag
 from tests.chaos.conftest import Supervisor
-from tests.chaos.load import Load, count_logged
+from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import Stack, wait_until
 from tests.topology import ClusterTopology
 
@@ -95,7 +98,7 @@ async def test_cluster_worker_sigkill_mid_batch_loses_nothing(cluster, cluster_s
                                    "models__synthetic__max_batch_size": 8,
                                    "models__synthetic__params": '{"batch_ms": 150}'})
     cluster_stack.start_gateway()
-    workers = Supervisor(cluster_stack, 2)
+    workers = Supervisor(cluster_stack, 2, fault_injection="true")  # records each execution (worker/execlog.py)
     await cluster_stack.wait_ready()
     await workers.wait_live(cluster_stack.url, 2)
     workers.start_watching()
@@ -113,6 +116,11 @@ async def test_cluster_worker_sigkill_mid_batch_loses_nothing(cluster, cluster_s
     assert [code for _name, code in workers.exits] == [-9]
     tally.assert_exactly_once()
     assert tally.ok == tally.sent, tally.errors
+    log = aioredis.Redis(port=owner(cluster, Keys(PREFIX).executions("synthetic")))
+    try:
+        await check_executions(log, PREFIX, tally, workers.died)  # each ran once, more only after the kill
+    finally:
+        await log.aclose()
     stream = Keys(PREFIX).request_stream("synthetic")
     node = redis.Redis(port=owner(cluster, stream))
     await wait_until(lambda: node.xlen(stream) == 0 and node.xpending(stream, GROUP)["pending"] == 0, 10)
