@@ -10,7 +10,8 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -48,9 +49,9 @@ class Supervisor:
                "VG_START_REDIS": "false", "VG_START_GATEWAY": "false", "VG_GATEWAYS": "1",
                "VG_REDIS_SERVER": "redis-server", "VG_REDIS_PORT": "0"}
         env.pop("VRAMGUARD_WORKER_NAME", None)  # the program names each process
-        proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)], env=env,
-                                cwd=stack.log_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        stack.workers.append(proc)  # Stack.stop() sends it SIGTERM: it stops the workers, then exits
+        self.proc = subprocess.Popen([sys.executable, "-m", "supervisor.supervisord", "-c", str(SHIPPED_CONF)],
+                                     env=env, cwd=stack.log_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stack.workers.append(self.proc)  # Stack.stop() sends it SIGTERM: it stops the workers, then exits
 
     def _events(self) -> list[tuple[str, str, str]]:
         """(kind, process, detail) of every spawn and exit in supervisord's log, in order."""
@@ -83,7 +84,17 @@ class Supervisor:
         """supervisord restarts on its own (autorestart); kept so scenarios read as before."""
 
     async def stop_watching(self) -> None:
-        """Let supervisord finish restarting what was killed (each name has a running process)."""
+        """Kept so scenarios read as before: supervisord keeps restarting until the stack stops."""
+
+    @contextmanager
+    def restarts_held(self) -> Iterator[None]:
+        """Hold supervisord (SIGSTOP) for the block, so that workers killed meanwhile stay dead
+        until it ends (SIGCONT): a restart as slow as a real one that loads a large model."""
+        self.proc.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            self.proc.send_signal(signal.SIGCONT)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         pid = self.pid(name)
