@@ -31,8 +31,8 @@ def measure_limit(torch_threads: int, seconds: float, batch_size: int = IMAGE_BA
     """Items/s of decode + collate + forward + encode at `batch_size`, after a warm-up forward."""
     import torch
 
-    from shared.models import ModelConfig
-    from worker.models.efficientnet import EfficientNetBackend
+    from vramguard.shared.models import ModelConfig
+    from vramguard.worker.models.efficientnet import EfficientNetBackend
 
     torch.set_num_threads(torch_threads)
     backend = EfficientNetBackend(ModelConfig(), "cpu")

@@ -52,8 +52,8 @@ def measure_physical_limit(
     """
     import torch
 
-    from shared.models import ModelConfig
-    from worker.models.minilm import MiniLMBackend
+    from vramguard.shared.models import ModelConfig
+    from vramguard.worker.models.minilm import MiniLMBackend
 
     torch.set_num_threads(torch_threads)
     backend = MiniLMBackend(ModelConfig(), "cpu")

@@ -19,7 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from shared.models import BUILTIN
+from vramguard.shared.models import BUILTIN
 
 # Shares are written to the environment with this many decimals, rounded down, so that the
 # written shares of a GPU never add up to more than the watermark the plan was checked against.

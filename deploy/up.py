@@ -42,8 +42,8 @@ from deploy.placement import (  # noqa: E402
     simulated_gpus,
 )
 from deploy.programs import worker_environment, write_programs  # noqa: E402
-from shared.redis_client import find_redis_server  # noqa: E402
-from shared.settings import Settings, SettingsError  # noqa: E402
+from vramguard.shared.redis_client import find_redis_server  # noqa: E402
+from vramguard.shared.settings import Settings, SettingsError  # noqa: E402
 
 READY_TIMEOUT_S = 600  # first start on a slow machine imports torch and loads weights
 

@@ -1,4 +1,4 @@
-"""`python -m gateway`: read Settings from the environment, then serve with uvicorn."""
+"""`python -m vramguard.gateway`: read Settings from the environment, then serve with uvicorn."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from types import FrameType
 
 import uvicorn
 
-from gateway.app import create_app, drain_requests
-from gateway.server import shared_port_socket, uvicorn_options
-from shared.logs import configure_logging
-from shared.settings import Settings, SettingsError
+from vramguard.gateway.app import create_app, drain_requests
+from vramguard.gateway.server import shared_port_socket, uvicorn_options
+from vramguard.shared.logs import configure_logging
+from vramguard.shared.settings import Settings, SettingsError
 
 
 def main() -> int:

@@ -20,18 +20,18 @@ from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway import kserve, openai_compat
-from gateway.dispatch import Dispatcher
-from gateway.edge import ClientGoneError
-from gateway.health import Health
-from gateway.metrics import GatewayMetrics
-from gateway.observe import router as observe_router
-from gateway.openapi import install_schemas
-from gateway.queues import ensure_groups
-from gateway.replies import ReplyListener
-from gateway.routes import health_router, require_api_key, router
-from shared.clocksync import ClockSync
-from shared.errors import (
+from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway.dispatch import Dispatcher
+from vramguard.gateway.edge import ClientGoneError
+from vramguard.gateway.health import Health
+from vramguard.gateway.metrics import GatewayMetrics
+from vramguard.gateway.observe import router as observe_router
+from vramguard.gateway.openapi import install_schemas
+from vramguard.gateway.queues import ensure_groups
+from vramguard.gateway.replies import ReplyListener
+from vramguard.gateway.routes import health_router, require_api_key, router
+from vramguard.shared.clocksync import ClockSync
+from vramguard.shared.errors import (
     DeadlineExceededError,
     ModelError,
     QueueFullError,
@@ -39,9 +39,9 @@ from shared.errors import (
     UnavailableError,
     VramguardError,
 )
-from shared.keys import Keys
-from shared.redis_client import check_eviction_policy, connect, connect_blocking
-from shared.settings import Settings
+from vramguard.shared.keys import Keys
+from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

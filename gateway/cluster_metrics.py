@@ -19,10 +19,10 @@ from prometheus_client.metrics_core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from gateway.health import Health
-from gateway.queues import QueueStats
-from shared import metrics as m
-from shared.heartbeat import WorkerBeat
+from vramguard.gateway.health import Health
+from vramguard.gateway.queues import QueueStats
+from vramguard.shared import metrics as m
+from vramguard.shared.heartbeat import WorkerBeat
 
 
 class ClusterCollector(Collector):

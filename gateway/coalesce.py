@@ -16,7 +16,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.typing import EncodableT
 
-from shared.redis_client import RETRIES
+from vramguard.shared.redis_client import RETRIES
 
 
 @dataclass(frozen=True)

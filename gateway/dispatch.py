@@ -15,23 +15,23 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.backpressure import ThroughputMeter, retry_after_s
-from gateway.coalesce import ScriptBatcher
-from gateway.health import Health
-from gateway.replies import INIT_FIELD, ReplyListener
-from shared.clock import monotonic_ms, now_ms
-from shared.errors import (
+from vramguard.gateway.backpressure import ThroughputMeter, retry_after_s
+from vramguard.gateway.coalesce import ScriptBatcher
+from vramguard.gateway.health import Health
+from vramguard.gateway.replies import INIT_FIELD, ReplyListener
+from vramguard.shared.clock import monotonic_ms, now_ms
+from vramguard.shared.errors import (
     DeadlineExceededError,
     ModelNotFoundError,
     QueueFullError,
     UnavailableError,
     error_from_code,
 )
-from shared.keys import Keys
-from shared.models import ModelConfig
-from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
-from shared.settings import Settings
+from vramguard.shared.keys import Keys
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
+from vramguard.shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

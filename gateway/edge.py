@@ -12,14 +12,14 @@ from collections.abc import Collection, Mapping
 
 from starlette.requests import ClientDisconnect, Request
 
-from shared.errors import (
+from vramguard.shared.errors import (
     InputTooLongError,
     InvalidInputError,
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
     VramguardError,
 )
-from shared.models import ModelSpec, ParameterSpec
+from vramguard.shared.models import ModelSpec, ParameterSpec
 
 MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
 

@@ -16,13 +16,13 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from gateway.expected import ReturnWatch
-from shared.clock import now_ms
-from shared.errors import UnavailableError
-from shared.heartbeat import WorkerBeat
-from shared.keys import Keys
-from shared.periodic import Periodic
-from shared.settings import Settings
+from vramguard.gateway.expected import ReturnWatch
+from vramguard.shared.clock import now_ms
+from vramguard.shared.errors import UnavailableError
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import Keys
+from vramguard.shared.periodic import Periodic
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

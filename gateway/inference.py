@@ -12,14 +12,14 @@ from typing import cast
 from fastapi import Request
 from pydantic import JsonValue
 
-from gateway.dispatch import Dispatcher
-from gateway.edge import check_parameters
-from gateway.metrics import RequestRecord
-from gateway.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
-from shared.errors import InvalidInputError
-from shared.models import InputKind, ModelSpec
-from shared.protocol import ReplyMessage, RequestId
-from shared.settings import Settings
+from vramguard.gateway.dispatch import Dispatcher
+from vramguard.gateway.edge import check_parameters
+from vramguard.gateway.metrics import RequestRecord
+from vramguard.gateway.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
+from vramguard.shared.errors import InvalidInputError
+from vramguard.shared.models import InputKind, ModelSpec
+from vramguard.shared.protocol import ReplyMessage, RequestId
+from vramguard.shared.settings import Settings
 
 
 def dispatcher_of(request: Request) -> Dispatcher:

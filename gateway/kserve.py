@@ -20,12 +20,12 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from gateway.edge import JSON, BadBodyError, read_body, require_media_type
-from gateway.inference import dispatcher_of, inference_request, settings_of, submit
-from gateway.openapi import error_responses, request_body
-from gateway.schemas import jsonable
-from shared.errors import ModelNotFoundError
-from shared.models import InputKind, ModelSpec, TensorSpec
+from vramguard.gateway.edge import JSON, BadBodyError, read_body, require_media_type
+from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of, submit
+from vramguard.gateway.openapi import error_responses, request_body
+from vramguard.gateway.schemas import jsonable
+from vramguard.shared.errors import ModelNotFoundError
+from vramguard.shared.models import InputKind, ModelSpec, TensorSpec
 
 OCTET = "application/octet-stream"
 HEADER_LENGTH = "inference-header-content-length"

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from gateway.cluster_metrics import ClusterCollector
-from gateway.health import Health
-from gateway.queues import QueueStats, read_queue_stats
-from shared import metrics as m
-from shared.errors import VramguardError
-from shared.keys import Keys
-from shared.protocol import ReplyMessage
-from shared.settings import Settings
+from vramguard.gateway.cluster_metrics import ClusterCollector
+from vramguard.gateway.health import Health
+from vramguard.gateway.queues import QueueStats, read_queue_stats
+from vramguard.shared import metrics as m
+from vramguard.shared.errors import VramguardError
+from vramguard.shared.keys import Keys
+from vramguard.shared.protocol import ReplyMessage
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

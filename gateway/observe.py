@@ -11,11 +11,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from gateway.health import Health
-from gateway.metrics import GatewayMetrics
-from gateway.queues import QueueStats
-from shared.clock import now_ms
-from shared.heartbeat import WorkerBeat
+from vramguard.gateway.health import Health
+from vramguard.gateway.metrics import GatewayMetrics
+from vramguard.gateway.queues import QueueStats
+from vramguard.shared.clock import now_ms
+from vramguard.shared.heartbeat import WorkerBeat
 
 router = APIRouter()
 

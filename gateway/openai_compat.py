@@ -18,11 +18,11 @@ import numpy as np
 from fastapi import APIRouter, Header, Request
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
-from gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
-from gateway.inference import inference_request, settings_of, submit
-from gateway.openapi import error_responses, request_body
-from shared.errors import InvalidInputError
-from shared.models import InputKind
+from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
+from vramguard.gateway.inference import inference_request, settings_of, submit
+from vramguard.gateway.openapi import error_responses, request_body
+from vramguard.shared.errors import InvalidInputError
+from vramguard.shared.models import InputKind
 
 PATH = "/v1/embeddings"
 

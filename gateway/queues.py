@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
-from shared.keys import GROUP, Keys
+from vramguard.shared.keys import GROUP, Keys
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import numpy as np
 import orjson
 from starlette.responses import Response
 
-from gateway.schemas import jsonable
+from vramguard.gateway.schemas import jsonable
 
 _OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 

@@ -12,11 +12,11 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
-from shared.errors import UnavailableError
-from shared.periodic import Periodic
-from shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
-from shared.redis_client import describe_data_loss
-from shared.settings import Settings
+from vramguard.shared.errors import UnavailableError
+from vramguard.shared.periodic import Periodic
+from vramguard.shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
+from vramguard.shared.redis_client import describe_data_loss
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import JsonValue
 from starlette.datastructures import Headers
 
-from gateway.edge import JSON, header_timeout, read_body, require_media_type
-from gateway.health import Health
-from gateway.inference import dispatcher_of, inference_request, settings_of, submit
-from gateway.openapi import NATIVE_ERRORS, error_responses, request_body
-from gateway.render import FastJSONResponse
-from gateway.schemas import (
+from vramguard.gateway.edge import JSON, header_timeout, read_body, require_media_type
+from vramguard.gateway.health import Health
+from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of, submit
+from vramguard.gateway.openapi import NATIVE_ERRORS, error_responses, request_body
+from vramguard.gateway.render import FastJSONResponse
+from vramguard.gateway.schemas import (
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -26,7 +26,7 @@ from gateway.schemas import (
     parse_infer_request,
     query_parameters,
 )
-from shared.errors import UnauthorizedError
+from vramguard.shared.errors import UnauthorizedError
 
 
 async def require_api_key(request: Request) -> None:

@@ -16,9 +16,9 @@ from typing import Annotated, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
-from gateway.edge import MAX_TIMEOUT_MS, check_text_length
-from shared.errors import InputTooLongError, InvalidInputError, PayloadTooLargeError
-from shared.models import InputKind, ModelConfig, ModelSpec, OutputSpec
+from vramguard.gateway.edge import MAX_TIMEOUT_MS, check_text_length
+from vramguard.shared.errors import InputTooLongError, InvalidInputError, PayloadTooLargeError
+from vramguard.shared.models import InputKind, ModelConfig, ModelSpec, OutputSpec
 
 # msgpack (shared/protocol.py) carries integers from int64's minimum to uint64's maximum; JSON has no bound.
 WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from shared.settings import Settings
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -66,10 +66,10 @@ class ResNet50Backend:
 
 
 def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
-    from shared.models import ModelConfig
-    from shared.settings import Settings
-    from worker.execute import run_batch
-    from worker.memory import start_budget
+    from vramguard.shared.models import ModelConfig
+    from vramguard.shared.settings import Settings
+    from vramguard.worker.execute import run_batch
+    from vramguard.worker.memory import start_budget
 
     backend = ResNet50Backend()
     settings = Settings.from_env()  # the placement of this process: CUDA_VISIBLE_DEVICES, VRAMGUARD_MEMORY_SHARE
@@ -142,7 +142,7 @@ def main() -> None:
     shares.add_argument("--workers", type=int, required=True)
     args = parser.parse_args()
     if args.command == "resnet":
-        from worker.profile import render_table
+        from vramguard.worker.profile import render_table
 
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))

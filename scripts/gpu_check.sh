@@ -23,12 +23,12 @@ echo "== environment"
 p = torch.cuda.get_device_properties(0); print(torch.__version__, torchvision.__version__, p.name, p.total_memory, 'bytes')"
 nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 
-echo "== 1a. python -m worker.profile --model minilm --device cuda"
-timeout 180 "$PY" -m worker.profile --model minilm --device cuda
-PLAN=$(timeout 120 "$PY" -m worker.profile --model minilm --device cuda --json 2>/dev/null)
+echo "== 1a. python -m vramguard.worker.profile --model minilm --device cuda"
+timeout 180 "$PY" -m vramguard.worker.profile --model minilm --device cuda
+PLAN=$(timeout 120 "$PY" -m vramguard.worker.profile --model minilm --device cuda --json 2>/dev/null)
 WATERMARK=${WATERMARK:-$("$PY" -c 'import json, sys; p = json.loads(sys.argv[1]); print(round((p["baseline_bytes"]
     + p["weights_bytes"] + p["fixed_bytes"] + p["per_token_bytes"] * 8 * 256) / p["total_bytes"] * 1.02, 6))' "$PLAN")}
-timeout 120 "$PY" -m worker.profile --model minilm --device cuda --json --total-bytes $((16 * 1024 ** 3)) \
+timeout 120 "$PY" -m vramguard.worker.profile --model minilm --device cuda --json --total-bytes $((16 * 1024 ** 3)) \
     --workers-per-gpu 2 2>/dev/null | sed 's/^/planned for a 16 GiB GPU shared by 2 workers: /'
 
 echo "== 1b. ResNet-50 fp16 (torchvision, random weights)"

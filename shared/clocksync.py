@@ -8,8 +8,8 @@ import logging
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.clock import CLOCK_SYNC_INTERVAL_S, clock_offset_ms, sync_to_redis
-from shared.periodic import Periodic
+from vramguard.shared.clock import CLOCK_SYNC_INTERVAL_S, clock_offset_ms, sync_to_redis
+from vramguard.shared.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

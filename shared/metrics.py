@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.heartbeat import WorkerBeat, beat_field_names
+from vramguard.shared.heartbeat import WorkerBeat, beat_field_names
 
 PREFIX = "vramguard_"
 

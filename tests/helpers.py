@@ -21,8 +21,8 @@ import redis
 
 from deploy.placement import WorkerGroup
 from deploy.programs import SHIPPED_CONF, write_programs
-from shared.redis_client import find_redis_server
-from shared.settings import Settings
+from vramguard.shared.redis_client import find_redis_server
+from vramguard.shared.settings import Settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,7 +37,7 @@ def free_port() -> int:
 async def gateway_with(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
     """An httpx client bound to an in-process gateway built from `settings` (its lifespan run),
     like the `gateway` fixture, for settings a test chooses."""
-    from gateway.app import create_app
+    from vramguard.gateway.app import create_app
 
     app = create_app(settings)
     async with app.router.lifespan_context(app):
@@ -113,7 +113,7 @@ def service_env(redis_url: str, **settings: object) -> dict[str, str]:
 
 
 class Stack:
-    """A gateway and workers as real processes (`python -m gateway`, `python -m worker`).
+    """A gateway and workers as real processes (`python -m vramguard.gateway`, `python -m vramguard.worker`).
 
     Logs go to files in `log_dir` so that a failing test can show them.
     """
@@ -139,18 +139,19 @@ class Stack:
         return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
     def start_gateway(self, **extra: object) -> None:
-        self.gateway = self._spawn("gateway", "gateway", port=self.port, **extra)
+        self.gateway = self._spawn("vramguard.gateway", "gateway", port=self.port, **extra)
 
     def spawn_gateway(self, name: str, **extra: object) -> subprocess.Popen[bytes]:
         """Another gateway process on this stack's port (it needs reuse_port=True in the settings,
         as does the first); the caller stops it."""
-        return self._spawn("gateway", name, port=self.port, **extra)
+        return self._spawn("vramguard.gateway", name, port=self.port, **extra)
 
     def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
-        """A `python -m worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
+        """A `python -m vramguard.worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
         CUDA_VISIBLE_DEVICES) added to its environment."""
         index = len(self.workers)
-        proc = self._spawn("worker", f"worker-{index}", environ, **{"worker_name": f"test-worker-{index}", **extra})
+        settings = {"worker_name": f"test-worker-{index}", **extra}
+        proc = self._spawn("vramguard.worker", f"worker-{index}", environ, **settings)
         self.workers.append(proc)
         return proc
 
@@ -191,7 +192,7 @@ class Stack:
 
 
 class SupervisedWorker:
-    """One `python -m worker` under a real supervisord running the shipped deploy/supervisord.conf
+    """One `python -m vramguard.worker` under a real supervisord running the shipped deploy/supervisord.conf
     (no Redis, no gateway programs) with the worker program deploy/up.py would generate for one
     worker of env's VRAMGUARD_MODEL on one device; run dir (supervisord.log, the worker's log,
     the include, the control socket) is `folder`. The program's environment names the worker

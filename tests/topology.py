@@ -14,7 +14,7 @@ from pathlib import Path
 
 import redis
 
-from shared.redis_client import find_redis_server
+from vramguard.shared.redis_client import find_redis_server
 
 MASTER_NAME = "vramguard"
 CLUSTER_SLOTS = 16384

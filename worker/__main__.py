@@ -1,4 +1,4 @@
-"""`python -m worker`: read Settings, build the model backend, run the Worker, exit with its code."""
+"""`python -m vramguard.worker`: read Settings, build the model backend, run the Worker, exit with its code."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 import os
 import sys
 
-from shared.logs import configure_logging
-from shared.settings import Settings, SettingsError
+from vramguard.shared.logs import configure_logging
+from vramguard.shared.settings import Settings, SettingsError
 
 
 def main() -> int:
@@ -23,8 +23,8 @@ def main() -> int:
               "pin each worker to one (make up and the compose file do)", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, "worker")
-    from worker.models import BackendContractError
-    from worker.runner import ExitCode, Worker  # after logging: torch and model imports log
+    from vramguard.worker.models import BackendContractError
+    from vramguard.worker.runner import ExitCode, Worker  # after logging: torch and model imports log
 
     try:
         backend = build_backend(settings)
@@ -54,8 +54,8 @@ def build_backend(settings: Settings):  # type: ignore[no-untyped-def]
     """The backend for settings.model on settings.device, torch threads set; not loaded yet."""
     import torch
 
-    from worker.backend import resolve_device
-    from worker.models import create_backend
+    from vramguard.worker.backend import resolve_device
+    from vramguard.worker.models import create_backend
 
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)

@@ -9,8 +9,8 @@ import resource
 from pathlib import Path
 from typing import Protocol
 
-from worker import simdevice
-from worker.ledger import DeviceLedger
+from vramguard.worker import simdevice
+from vramguard.worker.ledger import DeviceLedger
 
 
 class MemoryAccounting(Protocol):

@@ -1,4 +1,4 @@
-"""`python -m worker.alive`: the worker's liveness check for an exec probe (deploy/k8s/).
+"""`python -m vramguard.worker.alive`: the worker's liveness check for an exec probe (deploy/k8s/).
 
 Workers have no HTTP port, so the probe reads the worker's own heartbeat hash
 (`keys.heartbeat(settings.consumer_name)`, written by worker/heartbeat.py) with the same
@@ -15,10 +15,10 @@ import sys
 
 from redis.exceptions import RedisError
 
-from shared.clock import now_ms, sync_to_redis
-from shared.keys import Keys
-from shared.redis_client import connect
-from shared.settings import Settings, SettingsError
+from vramguard.shared.clock import now_ms, sync_to_redis
+from vramguard.shared.keys import Keys
+from vramguard.shared.redis_client import connect
+from vramguard.shared.settings import Settings, SettingsError
 
 
 async def check(settings: Settings) -> tuple[bool, str]:
@@ -43,10 +43,10 @@ def main() -> int:
     try:
         settings = Settings.from_env()
     except SettingsError as exc:
-        print(f"vramguard worker.alive: {exc}", file=sys.stderr)
+        print(f"vramguard.worker.alive: {exc}", file=sys.stderr)
         return 2
     if settings.worker_name is None:
-        print("vramguard worker.alive: VRAMGUARD_WORKER_NAME must be set (the probe runs in another process)",
+        print("vramguard.worker.alive: VRAMGUARD_WORKER_NAME must be set (the probe runs in another process)",
               file=sys.stderr)
         return 2
     alive, why = asyncio.run(check(settings))

@@ -13,11 +13,11 @@ from collections.abc import Sequence
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.errors import InternalError
-from shared.keys import GROUP
-from shared.protocol import ReplyMessage
-from worker.batcher import Entry
-from worker.publish import Outgoing, publish_replies
+from vramguard.shared.errors import InternalError
+from vramguard.shared.keys import GROUP
+from vramguard.shared.protocol import ReplyMessage
+from vramguard.worker.batcher import Entry
+from vramguard.worker.publish import Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
 

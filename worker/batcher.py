@@ -18,9 +18,9 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from shared.clock import monotonic_ms
-from shared.keys import GROUP
-from shared.protocol import ENTRY_FIELD, EntryId, ProtocolError, RequestMessage
+from vramguard.shared.clock import monotonic_ms
+from vramguard.shared.keys import GROUP
+from vramguard.shared.protocol import ENTRY_FIELD, EntryId, ProtocolError, RequestMessage
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
-from shared.settings import Settings
+from vramguard.shared.keys import Keys
+from vramguard.shared.settings import Settings
 
 
 class ExecutionLog:

@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
-from shared.errors import InputTooLargeError, ModelError, UnavailableError, VramguardError
-from worker.backend import ModelBackend, is_cuda_error
-from worker.memory import MemoryBudget
+from vramguard.shared.errors import InputTooLargeError, ModelError, UnavailableError, VramguardError
+from vramguard.worker.backend import ModelBackend, is_cuda_error
+from vramguard.worker.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from shared.clock import monotonic_ms
-from shared.periodic import Periodic
+from vramguard.shared.clock import monotonic_ms
+from vramguard.shared.periodic import Periodic
 
 log = logging.getLogger(__name__)
 

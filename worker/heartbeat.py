@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, replace
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.clock import now_ms
-from shared.heartbeat import WorkerBeat
-from shared.keys import Keys
-from shared.periodic import Periodic
-from shared.settings import Settings
+from vramguard.shared.clock import now_ms
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import Keys
+from vramguard.shared.periodic import Periodic
+from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from shared.models import ModelConfig
-from shared.settings import Settings
-from worker.accounting import MemoryAccounting, SimAccounting, open_accounting
-from worker.backend import ModelBackend
-from worker.ledger import DeviceLedger, ledger_dir
-from worker.plan import Fit, MemoryPlanError, Plan, Sample, fit_peak, measurement_grid, plan_budget, unplanned
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
+from vramguard.worker.accounting import MemoryAccounting, SimAccounting, open_accounting
+from vramguard.worker.backend import ModelBackend
+from vramguard.worker.ledger import DeviceLedger, ledger_dir
+from vramguard.worker.plan import Fit, MemoryPlanError, Plan, Sample, fit_peak, measurement_grid, plan_budget, unplanned
 
 __all__ = ["AdaptiveCap", "MemoryBudget", "MemoryPlanError", "build_plan", "measure_samples", "start_budget"]
 

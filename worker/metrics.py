@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Histogram
 
-from shared import metrics as m
-from shared.heartbeat import HISTOGRAM_FIELD
+from vramguard.shared import metrics as m
+from vramguard.shared.heartbeat import HISTOGRAM_FIELD
 
 log = logging.getLogger(__name__)
 

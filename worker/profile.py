@@ -1,4 +1,4 @@
-"""`python -m worker.profile --model NAME`: the capacity-planning step made one command. Loads
+"""`python -m vramguard.worker.profile --model NAME`: the capacity-planning step made one command. Loads
 the model on a device, measures its own context, weights and peak memory per batch (and per
 sequence length for text), fits peak = fixed + per_item x batch (per token for text) and prints
 the derived limits, then what each worker of a placement on one GPU gets (its share, budget,
@@ -17,9 +17,9 @@ import sys
 
 from tqdm import tqdm
 
-from shared.models import BUILTIN
-from shared.settings import Settings, SettingsError
-from worker.plan import Fit, MemoryPlanError, Plan, plan_budget
+from vramguard.shared.models import BUILTIN
+from vramguard.shared.settings import Settings, SettingsError
+from vramguard.worker.plan import Fit, MemoryPlanError, Plan, plan_budget
 
 MIB = 1024 * 1024
 
@@ -39,7 +39,7 @@ def _fraction(text: str) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker.profile", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m vramguard.worker.profile", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"a built-in model ({', '.join(sorted(BUILTIN))}) "
                         "or one of VRAMGUARD_MODELS_FILE")
@@ -64,10 +64,10 @@ def profile(settings: Settings, total_bytes: int | None, shares: list[float] | N
     plus `model`, `device` and `workers`, the plan of each worker on one GPU for `shares` (default:
     workers_per_gpu workers of watermark / workers_per_gpu each). Raises MemoryPlanError when the
     budget cannot hold one item, ValueError when the shares exceed the watermark."""
-    from worker.__main__ import build_backend
-    from worker.execute import run_batch
-    from worker.memory import start_budget
-    from worker.plan import measurement_grid
+    from vramguard.worker.__main__ import build_backend
+    from vramguard.worker.execute import run_batch
+    from vramguard.worker.memory import start_budget
+    from vramguard.worker.plan import measurement_grid
 
     shares = shares or [settings.effective_memory_share] * settings.workers_per_gpu
     if sum(shares) > settings.watermark + 1e-9:
@@ -137,15 +137,15 @@ def main(argv: list[str] | None = None) -> int:
         Settings.from_env()  # names a misspelled VRAMGUARD_* variable
         settings = Settings(**overrides)  # type: ignore[arg-type]
     except (SettingsError, ValueError) as exc:
-        print(f"worker.profile: {exc}", file=sys.stderr)
+        print(f"vramguard.worker.profile: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
-    from worker.execute import CudaContextLost
+    from vramguard.worker.execute import CudaContextLost
 
     try:
         result = profile(settings, args.total_bytes, args.share, progress=not args.json)
     except (MemoryPlanError, CudaContextLost, RuntimeError, ValueError) as exc:  # RuntimeError: cuda without a GPU
-        print(f"worker.profile: {exc}", file=sys.stderr)
+        print(f"vramguard.worker.profile: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else render_table(result))
     return 0

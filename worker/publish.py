@@ -21,8 +21,8 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
-from shared.keys import GROUP
-from shared.protocol import ENTRY_FIELD, EntryId, ReplyMessage
+from vramguard.shared.keys import GROUP
+from vramguard.shared.protocol import ENTRY_FIELD, EntryId, ReplyMessage
 
 DEAD_LETTER_MAXLEN = 10_000
 

@@ -27,14 +27,14 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.errors import ModelError
-from shared.keys import GROUP, Keys
-from shared.periodic import Periodic
-from shared.protocol import EntryId, ReplyMessage
-from shared.redis_client import RETRY_WINDOW_S
-from shared.settings import Settings
-from worker.batcher import Entry, decode_entry
-from worker.publish import DeadLetter, Outgoing, publish_replies
+from vramguard.shared.errors import ModelError
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.periodic import Periodic
+from vramguard.shared.protocol import EntryId, ReplyMessage
+from vramguard.shared.redis_client import RETRY_WINDOW_S
+from vramguard.shared.settings import Settings
+from vramguard.worker.batcher import Entry, decode_entry
+from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
 

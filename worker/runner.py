@@ -28,27 +28,27 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from shared.clock import monotonic_ms, now_ms
-from shared.clocksync import ClockSync
-from shared.errors import UnavailableError
-from shared.heartbeat import WorkerBeat
-from shared.keys import GROUP, Keys
-from shared.protocol import EntryId
-from shared.redis_client import check_eviction_policy, connect, connect_blocking
-from shared.settings import Settings
-from worker.backend import ModelBackend
-from worker.batch_errors import answer_internal_error
-from worker.batcher import Batcher, Entry
-from worker.execute import CudaContextLost, run_batch
-from worker.hang import HangGuard, derive_forward_timeout_s, exit_now
-from worker.heartbeat import Heartbeat, WorkerStats
-from worker.ledger import PlacementError
-from worker.memory import MemoryBudget, MemoryPlanError, start_budget
-from worker.metrics import WorkerMetrics
-from worker.models import BackendContractError, check_output
-from worker.reclaim import Reclaimer
-from worker.serve import BatchServer
-from worker.watchdog import Watchdog
+from vramguard.shared.clock import monotonic_ms, now_ms
+from vramguard.shared.clocksync import ClockSync
+from vramguard.shared.errors import UnavailableError
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import EntryId
+from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
+from vramguard.shared.settings import Settings
+from vramguard.worker.backend import ModelBackend
+from vramguard.worker.batch_errors import answer_internal_error
+from vramguard.worker.batcher import Batcher, Entry
+from vramguard.worker.execute import CudaContextLost, run_batch
+from vramguard.worker.hang import HangGuard, derive_forward_timeout_s, exit_now
+from vramguard.worker.heartbeat import Heartbeat, WorkerStats
+from vramguard.worker.ledger import PlacementError
+from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
+from vramguard.worker.metrics import WorkerMetrics
+from vramguard.worker.models import BackendContractError, check_output
+from vramguard.worker.reclaim import Reclaimer
+from vramguard.worker.serve import BatchServer
+from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

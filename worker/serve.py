@@ -15,23 +15,23 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from shared.clock import monotonic_ms, now_ms
-from shared.errors import DeadlineExceededError, InputTooLargeError, ModelError, VramguardError
-from shared.keys import Keys
-from shared.models import ModelConfig
-from shared.protocol import EntryId, ReplyMessage
-from shared.settings import Settings
-from worker.backend import ModelBackend
-from worker.batcher import Entry
-from worker.costing import group_by_cost
-from worker.execlog import ExecutionLog
-from worker.execute import CudaContextLost, ItemResult, run_batch
-from worker.hang import HangGuard
-from worker.heartbeat import WorkerStats
-from worker.memory import MemoryBudget
-from worker.metrics import WorkerMetrics
-from worker.publish import DeadLetter, Outgoing, publish_replies
-from worker.watchdog import Watchdog
+from vramguard.shared.clock import monotonic_ms, now_ms
+from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, ModelError, VramguardError
+from vramguard.shared.keys import Keys
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.protocol import EntryId, ReplyMessage
+from vramguard.shared.settings import Settings
+from vramguard.worker.backend import ModelBackend
+from vramguard.worker.batcher import Entry
+from vramguard.worker.costing import group_by_cost
+from vramguard.worker.execlog import ExecutionLog
+from vramguard.worker.execute import CudaContextLost, ItemResult, run_batch
+from vramguard.worker.hang import HangGuard
+from vramguard.worker.heartbeat import WorkerStats
+from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.metrics import WorkerMetrics
+from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
+from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from worker.ledger import DeviceLedger
+from vramguard.worker.ledger import DeviceLedger
 
 MIB = 1024 * 1024
 

@@ -16,12 +16,12 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
-from shared.clock import monotonic_ms, now_ms
-from shared.errors import ModelError, UnavailableError
-from shared.settings import Settings
-from worker.backend import ModelBackend
-from worker.execute import ItemResult
-from worker.hang import HangGuard
+from vramguard.shared.clock import monotonic_ms, now_ms
+from vramguard.shared.errors import ModelError, UnavailableError
+from vramguard.shared.settings import Settings
+from vramguard.worker.backend import ModelBackend
+from vramguard.worker.execute import ItemResult
+from vramguard.worker.hang import HangGuard
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ class MiniLMAPI(ls.LitAPI):
     def setup(self, device: str) -> None:
         import torch
 
-        from shared.models import ModelConfig
-        from worker.models.minilm import MiniLMBackend
+        from vramguard.shared.models import ModelConfig
+        from vramguard.worker.models.minilm import MiniLMBackend
 
         torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "2")))
         self.backend = MiniLMBackend(ModelConfig(), "cpu")

@@ -10,8 +10,8 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from shared.models import ModelConfig
-from worker.models.minilm import MiniLMBackend
+from vramguard.shared.models import ModelConfig
+from vramguard.worker.models.minilm import MiniLMBackend
 
 app = FastAPI()
 backend = MiniLMBackend(ModelConfig(), "cpu")

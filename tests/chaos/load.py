@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
-from worker.execlog import read_executions
+from vramguard.shared.keys import Keys
+from vramguard.worker.execlog import read_executions
 
 POOL_CONNECTIONS = 5
 # Below uvicorn's timeout_keep_alive (5 s): a client must drop an idle connection before the

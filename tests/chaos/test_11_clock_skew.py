@@ -21,11 +21,11 @@ import time
 
 import httpx
 
-from shared.keys import Keys
 from tests.chaos.load import Load, check_executions, record_figures
 from tests.ci import require_part
 from tests.helpers import ROOT, Stack, service_env, wait_until
-from worker.execlog import read_executions
+from vramguard.shared.keys import Keys
+from vramguard.worker.execlog import read_executions
 
 LOAD_S = 8
 SKEWS = ("+10s", "-10s")
@@ -43,8 +43,8 @@ async def test_workers_10_s_ahead_and_behind_serve_without_504(chaos_stack: Stac
             # FAKETIME_DONT_FAKE_MONOTONIC=1 would make Python's time.sleep fail with EINVAL.
             env = service_env(chaos_stack.redis_url, **chaos_stack.settings, worker_name=f"skew-{i}")
             log = open(chaos_stack.log_dir / f"skew-{i}.log", "ab")  # noqa: SIM115 - closed below
-            procs.append((subprocess.Popen([faketime, "-f", skew, sys.executable, "-m", "worker"], cwd=ROOT, env=env,
-                                           stdout=log, stderr=subprocess.STDOUT), log))
+            argv = [faketime, "-f", skew, sys.executable, "-m", "vramguard.worker"]
+            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
         async with httpx.AsyncClient(base_url=chaos_stack.url, timeout=10) as client:
 
             async def both_live() -> bool:

@@ -20,11 +20,11 @@ import time
 
 import pytest
 
-from shared.keys import GROUP, Keys
 from tests.chaos.conftest import Supervisor
 from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import wait_until
 from tests.proxy import LossyProxy
+from vramguard.shared.keys import GROUP, Keys
 
 REQUESTS = 120
 

@@ -19,10 +19,10 @@ import asyncio
 import random
 import time
 
-from shared.keys import GROUP, Keys
 from tests.chaos.conftest import Supervisor
 from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import wait_until
+from vramguard.shared.keys import GROUP, Keys
 
 LOAD_S = 30
 KILL_EVERY_S = 5

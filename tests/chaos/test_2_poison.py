@@ -17,10 +17,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.keys import Keys
-from shared.protocol import ENTRY_FIELD, RequestMessage
 from tests.chaos.conftest import Supervisor
 from tests.chaos.load import Load, check_executions, count_logged
+from vramguard.shared.keys import Keys
+from vramguard.shared.protocol import ENTRY_FIELD, RequestMessage
 
 MAX_DELIVERIES = 3
 

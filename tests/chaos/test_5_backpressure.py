@@ -16,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.keys import Keys
 from tests.chaos.load import Load, Result, check_executions
+from vramguard.shared.keys import Keys
 
 BOUND = 100
 CLIENTS = 500

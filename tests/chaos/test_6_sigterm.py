@@ -14,9 +14,9 @@ import asyncio
 import signal
 import time
 
-from shared.keys import GROUP, Keys
 from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import wait_until
+from vramguard.shared.keys import GROUP, Keys
 
 GRACE_S = 8
 

@@ -20,10 +20,10 @@ import time
 import pytest
 import redis.asyncio as aioredis
 
-from gateway.dispatch import ADMISSION_RECORD_TTL_MS
-from shared.keys import GROUP, Keys
 from tests.chaos.load import Load, check_executions
 from tests.helpers import wait_until
+from vramguard.gateway.dispatch import ADMISSION_RECORD_TTL_MS
+from vramguard.shared.keys import GROUP, Keys
 
 LOAD_S = 30
 MIN_REQUESTS = 1000  # far below any machine that can run the suite; fewer means the stack stalled

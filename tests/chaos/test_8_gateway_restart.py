@@ -16,10 +16,10 @@ import time
 
 import httpx
 
-from shared.keys import GROUP, Keys
-from shared.protocol import ENTRY_FIELD, ReplyMessage
 from tests.chaos.load import record_figures
 from tests.helpers import wait_until
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage
 
 TTL_S = 5
 

@@ -26,11 +26,11 @@ import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 
-from shared.keys import GROUP, Keys, hash_tag
 from tests.chaos.conftest import Supervisor
 from tests.chaos.load import Load, check_executions, count_logged
 from tests.helpers import Stack, wait_until
 from tests.topology import ClusterTopology
+from vramguard.shared.keys import GROUP, Keys, hash_tag
 
 PREFIX = "vgcluster"
 SETTINGS: dict[str, object] = {

@@ -10,7 +10,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_a_cuda_worker_reports_gpu_utilisation() -> None:
-    from worker.metrics import GpuUtilisation, WorkerMetrics
+    from vramguard.worker.metrics import GpuUtilisation, WorkerMetrics
 
     assert 0 <= (GpuUtilisation("cuda:0").percent() or -1) <= 100
     assert "gpu_utilization_percent" in WorkerMetrics("cuda:0").heartbeat_fields(0, 0)

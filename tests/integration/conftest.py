@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 import pytest
 
-from gateway.app import create_app
-from shared.settings import Settings
 from tests.helpers import wait_until
-from worker.models import create_backend
-from worker.runner import Worker
+from vramguard.gateway.app import create_app
+from vramguard.shared.settings import Settings
+from vramguard.worker.models import create_backend
+from vramguard.worker.runner import Worker
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import redis.asyncio as aioredis
 
-from shared.keys import GROUP
-from shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
-from worker.batcher import Batcher
+from vramguard.shared.keys import GROUP
+from vramguard.shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
+from vramguard.worker.batcher import Batcher
 
 
 async def enqueue(redis: aioredis.Redis, stream: str, n_inputs: int, tag: str) -> None:

@@ -12,9 +12,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from gateway.coalesce import ScriptBatcher
-from shared.redis_client import connect
 from tests.helpers import RedisServer, free_port
+from vramguard.gateway.coalesce import ScriptBatcher
+from vramguard.shared.redis_client import connect
 
 ECHO_OR_FAIL = "if ARGV[1] == 'fail' then return redis.error_reply('refused') end return ARGV[1]"
 CALLS = 20

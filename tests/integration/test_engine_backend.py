@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.helpers import ROOT, RedisServer, Stack, free_port, service_env
-from worker.runner import ExitCode
+from vramguard.worker.runner import ExitCode
 
 
 def stub_embedding(text: str) -> list[float]:
@@ -75,7 +75,7 @@ def engine() -> Iterator[StubEngine]:
 def models_file(folder: Path, port: int) -> Path:
     path = folder / "models.toml"
     path.write_text(
-        '[embedder]\nbackend = "worker.models.openai_engine:OpenAIEmbeddingsBackend"\n'
+        '[embedder]\nbackend = "vramguard.worker.models.openai_engine:OpenAIEmbeddingsBackend"\n'
         'description = "embeddings from an external engine"\ninput_kind = "text"\n'
         'output = { kind = "tensor", datatype = "float32", shape = [3] }\n'
         f'options = {{ base_url = "http://127.0.0.1:{port}/v1", model = "stub-embedder", timeout_s = 5 }}\n')
@@ -116,7 +116,7 @@ async def test_engine_down_is_503_and_service_resumes_when_it_is_back(
 def test_engine_down_at_start_is_a_start_failure_naming_it(tmp_path: Path, redis_server: RedisServer) -> None:
     port = free_port()  # nothing listens here
     env = service_env(redis_server.url, model="embedder", models_file=models_file(tmp_path, port))
-    result = subprocess.run([sys.executable, "-m", "worker"], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120, check=False)
+    result = subprocess.run([sys.executable, "-m", "vramguard.worker"], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120, check=False)
     assert result.returncode == ExitCode.STARTUP_FAILED, result.stderr
     assert "unavailable at start" in result.stderr and f"127.0.0.1:{port}/v1/embeddings" in result.stderr

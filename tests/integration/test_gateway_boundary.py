@@ -10,8 +10,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from shared.settings import Settings
 from tests.helpers import gateway_with
+from vramguard.shared.settings import Settings
 
 JSON_TYPE = {"Content-Type": "application/json"}
 INFER = "/v1/models/synthetic/infer"
@@ -101,7 +101,7 @@ async def test_head_on_health_for_load_balancers(gateway: httpx.AsyncClient) -> 
 async def test_every_error_of_an_inference_request_carries_its_request_id(
     settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="gateway.metrics")
+    caplog.set_level(logging.INFO, logger="vramguard.gateway.metrics")
     settings = settings_factory(models={"synthetic": {"max_inputs_per_request": 2}}, max_body_bytes=1024)
     async with gateway_with(settings) as gateway:
         cases = [

@@ -9,8 +9,8 @@ import base64
 from collections.abc import Callable
 from pathlib import Path
 
-from shared.settings import Settings
 from tests.integration.test_gateway_boundary import error_of, gateway_with
+from vramguard.shared.settings import Settings
 
 INFER = "/v1/models/pics/infer"
 OCTETS = {"Content-Type": "application/octet-stream"}

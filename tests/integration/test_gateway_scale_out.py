@@ -78,11 +78,12 @@ async def test_second_gateway_without_reuse_port_cannot_bind(stack: Stack) -> No
 
 
 def gateways_on(port: int) -> list[psutil.Process]:
-    """`python -m gateway` processes started for `port` (their VRAMGUARD_PORT)."""
+    """`python -m vramguard.gateway` processes started for `port` (their VRAMGUARD_PORT)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if proc.info["cmdline"][-2:] == ["-m", "gateway"] and proc.environ().get("VRAMGUARD_PORT") == str(port):
+            ours = proc.info["cmdline"][-2:] == ["-m", "vramguard.gateway"]
+            if ours and proc.environ().get("VRAMGUARD_PORT") == str(port):
                 found.append(proc)
         except (psutil.Error, TypeError):
             continue  # exited, or not ours to read

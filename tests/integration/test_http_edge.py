@@ -14,9 +14,9 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from shared.models import CATALOGUE
-from shared.settings import Settings
 from tests.helpers import ROOT, RedisServer, free_port, gateway_with, service_env, wait_until
+from vramguard.shared.models import CATALOGUE
+from vramguard.shared.settings import Settings
 
 INFER = "/v1/models/synthetic/infer"
 JSON = {"Content-Type": "application/json"}
@@ -96,7 +96,7 @@ async def test_text_length_policy_at_the_gateway(gateway: httpx.AsyncClient) -> 
 async def test_error_bodies_carry_no_redis_address(
     settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="gateway.metrics")
+    caplog.set_level(logging.INFO, logger="vramguard.gateway.metrics")
     server = RedisServer()
     server.start()
     port = server.port
@@ -120,7 +120,8 @@ async def test_error_bodies_carry_no_redis_address(
 @pytest.mark.parametrize("key", ["", "   "])
 def test_blank_api_key_stops_the_gateway_at_start(key: str) -> None:
     env = service_env("redis://127.0.0.1:1/0", port=free_port(), api_key=key)
-    done = subprocess.run([sys.executable, "-m", "gateway"], cwd=ROOT, env=env, capture_output=True, timeout=60)
+    argv = [sys.executable, "-m", "vramguard.gateway"]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, timeout=60)
     assert done.returncode == 2
     assert b"VRAMGUARD_API_KEY" in done.stderr and b"empty" in done.stderr
 

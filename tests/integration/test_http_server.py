@@ -1,4 +1,4 @@
-"""The HTTP server against untrusted clients, over raw sockets to a real `python -m gateway`:
+"""The HTTP server against untrusted clients, over raw sockets to a real `python -m vramguard.gateway`:
 ambiguous framing refused and the connection closed, header and body deadlines, the connection
 cap, header limits (431), the keep-alive setting, and clients that hang up or break a chunk
 counted under their own outcome with no traceback in the log."""

@@ -40,7 +40,7 @@ def children(parent: int) -> list[int]:
 
 
 def worker_environments(supervisord_pid: int) -> dict[int, dict[str, str]]:
-    """pid -> environment of every `python -m worker` child of supervisord."""
+    """pid -> environment of every `python -m vramguard.worker` child of supervisord."""
     found = {}
     for pid in children(supervisord_pid):
         try:

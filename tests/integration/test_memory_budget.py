@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from shared.keys import GROUP, Keys
 from tests.helpers import wait_until
-from worker.runner import ExitCode
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.worker.runner import ExitCode
 
 MIB = 1024 * 1024
 SMALL = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4}  # on 64 MiB: (51.2 - 12) / 4 -> 9 items

@@ -1,4 +1,4 @@
-"""The memory budget with real processes: `python -m gateway` and `python -m worker` on the
+"""The memory budget with real processes: `python -m vramguard.gateway` and `python -m vramguard.worker` on the
 simulated device, and a real supervisord restarting a worker whose CUDA context broke."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A worker's start under a memory budget, and `python -m worker.profile` as a real process."""
+"""A worker's start under a memory budget, and `python -m vramguard.worker.profile` as a real process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from tests.helpers import ROOT, service_env
-from worker.models import create_backend
-from worker.runner import ExitCode, Worker
+from vramguard.worker.models import create_backend
+from vramguard.worker.runner import ExitCode, Worker
 
 MIB = 1024 * 1024
 
@@ -28,7 +28,7 @@ async def test_a_device_too_small_stops_the_worker_at_start(settings_factory, de
 
 def run_profile(*args: str) -> subprocess.CompletedProcess[str]:
     env = service_env("redis://127.0.0.1:1/0")
-    return subprocess.run([sys.executable, "-m", "worker.profile", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "vramguard.worker.profile", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -11,8 +11,8 @@ import httpx
 import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from shared.keys import GROUP, Keys
 from tests.helpers import wait_until
+from vramguard.shared.keys import GROUP, Keys
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from gateway.app import create_app
 from tests.helpers import RedisServer, wait_until
 from tests.integration.test_metrics import scrape, value
+from vramguard.gateway.app import create_app
 
 
 async def test_a_scrape_while_redis_is_down_says_so(settings_factory) -> None:

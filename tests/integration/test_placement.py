@@ -1,4 +1,4 @@
-"""Placement on a simulated multi-GPU host: real `python -m worker` processes pinned by
+"""Placement on a simulated multi-GPU host: real `python -m vramguard.worker` processes pinned by
 CUDA_VISIBLE_DEVICES to simulated GPUs that they share through the device ledger
 (worker/ledger.py), so each sees its neighbours' memory and an over-committing allocation fails
 as it would on a real GPU."""
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.helpers import Stack, wait_until
-from worker.ledger import DeviceLedger
+from vramguard.worker.ledger import DeviceLedger
 
 MIB = 1024 * 1024
 SIM_BYTES = 512 * MIB

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT, RedisServer, Stack, service_env
-from worker.runner import ExitCode
+from vramguard.worker.runner import ExitCode
 
 EXAMPLE = ROOT / "examples" / "tiny_classifier"
 MODELS_FILE = EXAMPLE / "models.toml"
@@ -47,7 +47,7 @@ async def test_example_model_is_served_end_to_end(stack: Stack, example_on_path:
 
 
 def run_worker(env: dict[str, str], timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "worker"], cwd=ROOT, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "vramguard.worker"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
 
 

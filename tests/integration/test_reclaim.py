@@ -8,11 +8,11 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from shared.clock import now_ms
-from shared.keys import GROUP, Keys
-from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from tests.helpers import wait_until
-from worker.reclaim import Reclaimer
+from vramguard.shared.clock import now_ms
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
+from vramguard.worker.reclaim import Reclaimer
 
 RECLAIM = {"claim_idle_ms": 700, "reclaim_interval_ms": 100, "heartbeat_interval_ms": 200}
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from shared.keys import GROUP, Keys
 from tests.helpers import wait_until
+from vramguard.shared.keys import GROUP, Keys
 
 
 async def test_requests_lost_with_redis_data_fail_fast_then_service_resumes(

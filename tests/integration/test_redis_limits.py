@@ -14,9 +14,9 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ReadOnlyError
 
-from shared.redis_client import check_eviction_policy, connect, describe_data_loss
-from shared.settings import Settings
 from tests.helpers import RedisServer, wait_until
+from vramguard.shared.redis_client import check_eviction_policy, connect, describe_data_loss
+from vramguard.shared.settings import Settings
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +94,7 @@ async def test_evicting_policy_is_named_at_start_or_refused(admin, settings_fact
     client = connect(settings_factory())
     assert await check_eviction_policy(client, settings_factory()) is None
     await admin.config_set("maxmemory-policy", "allkeys-lru")
-    with caplog.at_level(logging.ERROR, logger="shared.redis_client"):
+    with caplog.at_level(logging.ERROR, logger="vramguard.shared.redis_client"):
         problem = await check_eviction_policy(client, settings_factory())
     assert problem is not None and "allkeys-lru" in problem and "noeviction" in problem
     assert any("allkeys-lru" in r.getMessage() for r in caplog.records)

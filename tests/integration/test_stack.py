@@ -1,4 +1,4 @@
-"""The whole path with real processes: `python -m gateway` over real HTTP, `python -m worker`
+"""The whole path with real processes: `python -m vramguard.gateway` over real HTTP, `python -m vramguard.worker`
 processes, a real redis-server, the real minilm model."""
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from shared.keys import Keys
 from tests.ci import require_part
 from tests.helpers import ROOT, Stack, wait_until
 from tests.integration.test_metrics import MEMORY_FIELDS, beat_like_a_worker
+from vramguard.shared.keys import Keys
 
 ARTIFACTS = ROOT / "test-artifacts"
 CHROMIUM = next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)

@@ -109,7 +109,7 @@ def triton(tmp_path: Path) -> Iterator[TritonServer]:
 def models_file(folder: Path, base_url: str) -> Path:
     path = folder / "models.toml"
     path.write_text(
-        '[doubler]\nbackend = "worker.models.kserve_engine:KServeV2Backend"\n'
+        '[doubler]\nbackend = "vramguard.worker.models.kserve_engine:KServeV2Backend"\n'
         'description = "doubles 4 numbers on a Triton server"\ninput_kind = "json"\n'
         'output = { kind = "tensor", datatype = "float32", shape = [4] }\n'
         f'options = {{ base_url = "{base_url}", model = "doubler", input = "INPUT", output = "OUTPUT", '

@@ -9,10 +9,10 @@ from contextlib import asynccontextmanager
 import httpx
 import pytest
 
-from gateway.app import create_app
-from shared.settings import Settings
 from tests.helpers import wait_until
-from worker.runner import ExitCode
+from vramguard.gateway.app import create_app
+from vramguard.shared.settings import Settings
+from vramguard.worker.runner import ExitCode
 
 
 @asynccontextmanager

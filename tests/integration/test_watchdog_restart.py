@@ -1,5 +1,5 @@
 """A failing probe leads to an exit and a restart, with real processes: a real supervisord runs
-`python -m worker` with the shipped deploy/supervisord.conf, and a real gateway process watches."""
+`python -m vramguard.worker` with the shipped deploy/supervisord.conf, and a real gateway process watches."""
 
 from __future__ import annotations
 

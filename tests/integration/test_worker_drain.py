@@ -3,11 +3,11 @@ batch, before it exits 0: nothing it read is left pending for a reclaim."""
 
 from __future__ import annotations
 
-from shared.clock import now_ms
-from shared.keys import GROUP, Keys
-from shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from tests.helpers import wait_until
-from worker.runner import ExitCode
+from vramguard.shared.clock import now_ms
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
+from vramguard.worker.runner import ExitCode
 
 
 async def test_drain_serves_the_carried_over_entries(redis_client, start_worker, key_prefix) -> None:

@@ -13,12 +13,12 @@ import msgpack
 import numpy as np
 import pytest
 
-from gateway.schemas import query_parameters, validate_inputs
-from shared.errors import InvalidInputError, PayloadTooLargeError
-from shared.models import BUILTIN, ModelsFileError, ModelSpec, OutputSpec, load_models_file
-from shared.protocol import RequestId, RequestMessage
 from tests.helpers import ROOT
-from worker.models import BackendContractError, check_contract, check_output, import_backend_class
+from vramguard.gateway.schemas import query_parameters, validate_inputs
+from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError
+from vramguard.shared.models import BUILTIN, ModelsFileError, ModelSpec, OutputSpec, load_models_file
+from vramguard.shared.protocol import RequestId, RequestMessage
+from vramguard.worker.models import BackendContractError, check_contract, check_output, import_backend_class
 
 # A valid user entry of JSON inputs, for the cases below to extend.
 MINE = "[mine]\nbackend='a:B'\ndescription='x'\ninput_kind='json'\noutput={kind='json'}\n"
@@ -153,7 +153,7 @@ def test_importing_the_contract_pulls_in_neither_torch_nor_fastapi() -> None:
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("backend", ["worker.models.openai_engine:OpenAIEmbeddingsBackend",
-                                     "worker.models.kserve_engine:KServeV2Backend"])
+@pytest.mark.parametrize("backend", ["vramguard.worker.models.openai_engine:OpenAIEmbeddingsBackend",
+                                     "vramguard.worker.models.kserve_engine:KServeV2Backend"])
 def test_engine_backends_follow_the_contract(backend: str) -> None:
     import_backend_class(BUILTIN["minilm"].model_copy(update={"backend": backend}))

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker.ledger import DeviceLedger, PlacementError
-from worker.simdevice import MIB, SimDevice
+from vramguard.worker.ledger import DeviceLedger, PlacementError
+from vramguard.worker.simdevice import MIB, SimDevice
 
 
 def write_neighbour(ledger: DeviceLedger, pid: int, **entry: object) -> None:
@@ -80,10 +80,10 @@ def test_a_gpu_of_another_size_is_refused(tmp_path: Path) -> None:
 def test_concurrent_forwards_are_admitted_only_while_their_peaks_fit(tmp_path: Path) -> None:
     """Four threads each run a forward whose predicted peak is 40 % of the room: the soft guard
     lets at most two run at once, and every one of them runs."""
-    from shared.models import ModelOverrides
-    from shared.settings import Settings
-    from worker.memory import start_budget
-    from worker.models.synthetic import SyntheticBackend
+    from vramguard.shared.models import ModelOverrides
+    from vramguard.shared.settings import Settings
+    from vramguard.worker.memory import start_budget
+    from vramguard.worker.models.synthetic import SyntheticBackend
 
     settings = Settings(model="synthetic", sim_memory_bytes=100 * MIB, watermark=1.0,
                         models={"synthetic": ModelOverrides(max_batch_size=8, max_inflight_batches=2,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared.errors import ModelError, QueueFullError, all_error_classes, error_from_code
+from vramguard.shared.errors import ModelError, QueueFullError, all_error_classes, error_from_code
 
 DESIGN_TABLE = {
     "invalid_input": 422,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gateway.expected import ReturnWatch
+from vramguard.gateway.expected import ReturnWatch
 
 
 def test_never_seen_is_not_expected() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.hang import FORWARD_TIMEOUT_MIN_S, derive_forward_timeout_s
+from vramguard.worker.hang import FORWARD_TIMEOUT_MIN_S, derive_forward_timeout_s
 
 
 def test_a_configured_timeout_wins() -> None:

@@ -3,7 +3,7 @@ typed; a worker of another version (fields missing, unknown or malformed) never 
 
 from __future__ import annotations
 
-from shared.heartbeat import WorkerBeat, beat_field_names
+from vramguard.shared.heartbeat import WorkerBeat, beat_field_names
 
 
 def test_a_beat_survives_the_redis_hash_with_its_types() -> None:

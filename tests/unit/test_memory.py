@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from worker.memory import AdaptiveCap
-from worker.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
-from worker.simdevice import MIB, SimDevice
+from vramguard.worker.memory import AdaptiveCap
+from vramguard.worker.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
+from vramguard.worker.simdevice import MIB, SimDevice
 
 
 def test_fit_recovers_a_linear_peak() -> None:
@@ -162,14 +162,14 @@ def test_sim_device_raises_the_real_cuda_oom_past_its_limit() -> None:
 
 @pytest.mark.parametrize("value", [0, -0.1, 1.01])
 def test_watermark_must_be_a_fraction(value: float) -> None:
-    from shared.settings import Settings
+    from vramguard.shared.settings import Settings
 
     with pytest.raises(ValueError, match="watermark"):
         Settings(watermark=value)
 
 
 def test_workers_per_gpu_and_sim_size_are_validated() -> None:
-    from shared.settings import Settings
+    from vramguard.shared.settings import Settings
 
     with pytest.raises(ValueError, match="workers_per_gpu"):
         Settings(workers_per_gpu=0)

@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from shared import metrics as m
-from shared.heartbeat import WorkerBeat
-from worker.metrics import GpuUtilisation, WorkerMetrics
+from vramguard.shared import metrics as m
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.worker.metrics import GpuUtilisation, WorkerMetrics
 
 
 def test_histograms_survive_the_heartbeat_round_trip() -> None:

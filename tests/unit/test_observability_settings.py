@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.settings import Settings, SettingsError
+from vramguard.shared.settings import Settings, SettingsError
 
 
 def test_defaults() -> None:

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from shared.models import ModelConfig, ModelOverrides
-from shared.settings import Settings
-from worker.accounting import SimAccounting
-from worker.costing import group_by_cost
-from worker.execute import CudaContextLost, chunk_by_cost, run_batch
-from worker.memory import MemoryBudget, start_budget
-from worker.models.synthetic import SyntheticBackend
-from worker.simdevice import MIB
+from vramguard.shared.models import ModelConfig, ModelOverrides
+from vramguard.shared.settings import Settings
+from vramguard.worker.accounting import SimAccounting
+from vramguard.worker.costing import group_by_cost
+from vramguard.worker.execute import CudaContextLost, chunk_by_cost, run_batch
+from vramguard.worker.memory import MemoryBudget, start_budget
+from vramguard.worker.models.synthetic import SyntheticBackend
+from vramguard.worker.simdevice import MIB
 
 
 @pytest.fixture

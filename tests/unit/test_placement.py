@@ -24,8 +24,8 @@ from deploy.placement import (
     simulated_gpus,
 )
 from deploy.programs import render_programs, worker_environment
-from shared.settings import Settings
 from tests.helpers import ROOT, free_port
+from vramguard.shared.settings import Settings
 
 SMI = "0, GPU-3f2a6c1e-aaaa-bbbb-cccc-000000000000\n1, GPU-9b7d0e42-aaaa-bbbb-cccc-111111111111\n"
 

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shared.protocol import ProtocolError, ReplyMessage, RequestId, RequestMessage, pack, unpack
+from vramguard.shared.protocol import ProtocolError, ReplyMessage, RequestId, RequestMessage, pack, unpack
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", "int32", "uint8", "bool"])

@@ -7,11 +7,11 @@ from dataclasses import replace
 
 import pytest
 
-from gateway.health import Health, HealthView
-from shared.clock import now_ms
-from shared.heartbeat import WorkerBeat
-from shared.keys import Keys
-from shared.settings import Settings
+from vramguard.gateway.health import Health, HealthView
+from vramguard.shared.clock import now_ms
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import Keys
+from vramguard.shared.settings import Settings
 
 NOW = 1_800_000_000_000
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from redis.crc import key_slot
 
-from shared.keys import Keys, hash_tag
-from shared.settings import Settings, SettingsError, check_env_names
+from vramguard.shared.keys import Keys, hash_tag
+from vramguard.shared.settings import Settings, SettingsError, check_env_names
 
 
 def slot(key: str) -> int:

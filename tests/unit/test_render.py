@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from gateway.render import json_bytes
+from vramguard.gateway.render import json_bytes
 
 
 def test_float32_arrays_read_back_as_the_same_float32_values() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gateway.schemas import BodyNotJsonError, jsonable, parse_infer_request, validate_inputs
-from shared.errors import InvalidInputError
-from shared.models import CATALOGUE
+from vramguard.gateway.schemas import BodyNotJsonError, jsonable, parse_infer_request, validate_inputs
+from vramguard.shared.errors import InvalidInputError
+from vramguard.shared.models import CATALOGUE
 
 
 def test_valid_body() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.settings import Settings, SettingsError, check_env_names
+from vramguard.shared.settings import Settings, SettingsError, check_env_names
 
 
 def test_defaults_are_valid() -> None:

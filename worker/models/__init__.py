@@ -11,9 +11,9 @@ from typing import cast
 
 import numpy as np
 
-from shared.models import ModelSpec, OutputSpec
-from shared.settings import Settings
-from worker.backend import ModelBackend
+from vramguard.shared.models import ModelSpec, OutputSpec
+from vramguard.shared.settings import Settings
+from vramguard.worker.backend import ModelBackend
 
 # The contract's methods and the positional parameters each takes after self.
 CONTRACT_METHODS: dict[str, int] = {

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from shared.errors import InputTooLargeError, InvalidInputError, ModelError
-from shared.models import ModelConfig
-from shared.settings import Settings
+from vramguard.shared.errors import InputTooLargeError, InvalidInputError, ModelError
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
 
 INPUT_SIZE = 224  # pixels, the model's native resolution
 CROP_FRACTION = 224 / 256  # ImageNet evaluation: short side to 256, centre crop 224

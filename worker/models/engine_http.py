@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import httpx
 
-from shared.errors import InvalidInputError, ModelError, UnavailableError
+from vramguard.shared.errors import InvalidInputError, ModelError, UnavailableError
 
 REFUSED_INPUT = frozenset({400, 413, 422})
 

@@ -8,7 +8,7 @@ the latter runs on gevent, whose hub does not mix with the worker's thread pool,
 protocol is the same for every v2 server.
 
     [doubler]
-    backend = "worker.models.kserve_engine:KServeV2Backend"
+    backend = "vramguard.worker.models.kserve_engine:KServeV2Backend"
     description = "a model on the Triton server"
     input_kind = "json"
     output = { kind = "tensor", datatype = "float32", shape = [4] }
@@ -28,10 +28,10 @@ from collections.abc import Mapping, Sequence
 import httpx
 import numpy as np
 
-from shared.errors import InvalidInputError, ModelError
-from shared.models import ModelConfig
-from shared.settings import Settings
-from worker.models.engine_http import post_json
+from vramguard.shared.errors import InvalidInputError, ModelError
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
+from vramguard.worker.models.engine_http import post_json
 
 
 class KServeV2Backend:

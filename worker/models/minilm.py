@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import torch
 
-from shared.errors import InputTooLongError, InvalidInputError, ModelError
-from shared.models import BUILTIN, ModelConfig
-from shared.settings import Settings
+from vramguard.shared.errors import InputTooLongError, InvalidInputError, ModelError
+from vramguard.shared.models import BUILTIN, ModelConfig
+from vramguard.shared.settings import Settings
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer

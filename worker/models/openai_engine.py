@@ -6,7 +6,7 @@ stay vramguard's.
 Use it from a models file (options are this backend's own settings):
 
     [embedder]
-    backend = "worker.models.openai_engine:OpenAIEmbeddingsBackend"
+    backend = "vramguard.worker.models.openai_engine:OpenAIEmbeddingsBackend"
     description = "bge-small on the vLLM server"
     input_kind = "text"
     output = { kind = "tensor", datatype = "float32", shape = [-1] }
@@ -26,10 +26,10 @@ from collections.abc import Mapping, Sequence
 import httpx
 import numpy as np
 
-from shared.errors import InvalidInputError, ModelError
-from shared.models import ModelConfig
-from shared.settings import Settings
-from worker.models.engine_http import post_json
+from vramguard.shared.errors import InvalidInputError, ModelError
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
+from vramguard.worker.models.engine_http import post_json
 
 
 class OpenAIEmbeddingsBackend:

@@ -35,11 +35,11 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-from shared.errors import ModelError
-from shared.models import ModelConfig
-from shared.settings import Settings
-from worker import simdevice
-from worker.simdevice import SimDevice
+from vramguard.shared.errors import ModelError
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
+from vramguard.worker import simdevice
+from vramguard.worker.simdevice import SimDevice
 
 MIB = 1024 * 1024
 DEFAULT_PARAMS = {"batch_ms": 0.0, "item_ms": 0.0, "weights_mib": 128.0, "fixed_mib": 16.0, "item_mib": 8.0,
