@@ -182,10 +182,15 @@ def target_rows(fig: Figures) -> list[list[object]]:
                      f"{med_p99:.2f}x LitServe's (min/med/max {spread(peer.p99_ratios)}); "
                      f"{peer.ours_p99:.0f} vs {peer.theirs_p99:.0f} ms", _verdict(med_p99 <= 1.0)])
     dynamic = next((v for k, v in fig.c1_p50_ms.items() if k.startswith("dynamic")), None)
-    if dynamic is not None and fig.batch1_p50_ms is not None:
-        overhead = dynamic - fig.batch1_p50_ms
-        rows.append(["p50 at c=1 within 3 ms of the model's batch-1 latency",
-                     f"+{overhead:.1f} ms ({dynamic:.1f} vs {fig.batch1_p50_ms:.1f} ms)", _verdict(overhead <= 3.0)])
+    naive = next((v for k, v in fig.c1_p50_ms.items() if k.startswith("naive")), None)
+    if dynamic is not None and naive is not None:
+        # The naive endpoint runs the same model in-process on the same machine, so the difference is
+        # what the broker (gateway, Redis, worker) adds; the model's batch-1 latency is shown for scale.
+        overhead = dynamic - naive
+        model = f", the model alone {fig.batch1_p50_ms:.1f} ms" if fig.batch1_p50_ms is not None else ""
+        rows.append([f"p50 at c=1 <= the naive in-process endpoint's + {BROKER_PRICE_MS:.0f} ms",
+                     f"{overhead:+.1f} ms ({dynamic:.1f} vs {naive:.1f} ms{model})",
+                     _verdict(overhead <= BROKER_PRICE_MS)])
     if 1 in fig.scale_rps and 8 in fig.scale_rps:
         ratio = fig.scale_rps[8] / max(fig.scale_rps[1], 1e-9)
         capped = min(7.0, (fig.gateway_ceiling_rps or float("inf")) / max(fig.scale_rps[1], 1e-9))
@@ -201,6 +206,7 @@ def target_rows(fig: Figures) -> list[list[object]]:
     return rows
 
 
+BROKER_PRICE_MS = 2.0  # what the broker may add to the median at concurrency 1 over an in-process endpoint
 COST_TARGET = 2.0  # vramguard's serving CPU per request at most this many times a bare uvicorn endpoint's
 SCALE_OUT_GAIN = 1.1  # 2 gateways must beat 1 by this much, unless 1 is already near the client's ceiling
 CLIENT_BOUND = 0.8  # a figure at this fraction of the client's own ceiling counts as client-limited

@@ -48,7 +48,7 @@ def worker_environments(supervisord_pid: int) -> dict[int, dict[str, str]]:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"worker" in cmdline and b"-m" in cmdline:
+        if b"vramguard.worker" in cmdline and b"-m" in cmdline:
             found[pid] = dict(item.split("=", 1) for item in raw.decode().split("\0") if "=" in item)
     return found
 
