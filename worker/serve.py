@@ -93,6 +93,14 @@ class BatchServer:
             parts = await self._parts[part.entry_id] if part.entry_id in self._parts else None
             if parts is not None and not part.held.closed:
                 live.append((part, parts))
+        try:
+            return await self._serve_live(redis, live, batch_start_ms)
+        except BaseException:  # the runner answers the batch's entries (or leaves them pending): forget them
+            for part in batch:
+                self._parts.pop(part.entry_id, None)
+            raise
+
+    async def _serve_live(self, redis: aioredis.Redis, live: list[_Member], batch_start_ms: int) -> bool:
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
         slice_costs = [parts.costs[s.start : s.stop] for s, parts in live]
         for group in group_by_cost(slice_costs, self._config.max_batch_size, budget_cost):
@@ -198,8 +206,8 @@ class BatchServer:
                                       "completed": len(completed), "oom_events": stats.oom_events,
                                       "queue_delay_ms": max(delays_ms, default=0.0),
                                       "duration_ms": round(duration_ms, 2)})
-        self._stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
-                                sum(delays_ms))
+        self._stats.record_batch(len(items), len(delays_ms), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
+                                sum(delays_ms))  # requests: counted once, at their first slice (as their delay)
         await self._publish(redis, outgoing, [part.entry_id for part, _parts in completed], [])
         return True
 

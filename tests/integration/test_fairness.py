@@ -67,3 +67,20 @@ async def test_a_failing_item_of_a_sliced_request_fails_that_request_alone(gatew
     assert "injected fault" in failed.json()["error"]["message"]
     assert (await good).json()["outputs"] == [f"g{i}" for i in range(2 * BATCH + 3)]
     assert (await small).json()["outputs"] == ["small"]
+
+
+async def test_a_sliced_request_past_its_deadline_is_answered_504_and_costs_no_more_forwards(
+        gateway, start_worker) -> None:
+    handle = await start(gateway, start_worker)
+    stats = handle.worker.stats
+    before = stats.forwards
+    # 8 forwards of 50 ms of work; the deadline passes after about 3 of them.
+    late = await gateway.post("/v1/models/synthetic/infer",
+                              json={"inputs": list(range(8 * BATCH)), "timeout_ms": 150})
+    assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
+    await wait_until(lambda: stats.expired == 1, 5)  # the worker's own 504: acked, dropped
+    spent = stats.forwards - before
+    await asyncio.sleep(0.3)  # time for the rest of its slices, had they run
+    assert stats.forwards - before == spent < 8
+    after = await gateway.post("/v1/models/synthetic/infer", json={"inputs": ["next"]})
+    assert after.json()["outputs"] == ["next"]
