@@ -15,10 +15,10 @@ from tests.helpers import wait_until
 BATCH = 8  # max_batch_size: a 64-input request takes 8 forwards
 
 
-async def start(gateway: httpx.AsyncClient, start_worker, **extra: object):  # type: ignore[no-untyped-def]
-    # Every forward sleeps 50 ms whatever its size, so a forward is a forward on any machine.
+async def start(gateway: httpx.AsyncClient, start_worker, batch_ms: float = 50, **extra: object):  # type: ignore[no-untyped-def]
+    # Every forward sleeps batch_ms whatever its size, so a forward is a forward on any machine.
     handle = await start_worker(model="synthetic", models={"synthetic": {
-        "max_batch_size": BATCH, "max_wait_ms": 5, "params": {"batch_ms": 50, "item_ms": 0}}}, **extra)
+        "max_batch_size": BATCH, "max_wait_ms": 5, "params": {"batch_ms": batch_ms, "item_ms": 0}}}, **extra)
 
     async def live() -> bool:
         return (await gateway.get("/v1/models/synthetic")).json()["live_workers"] == 1
@@ -84,3 +84,13 @@ async def test_a_sliced_request_past_its_deadline_is_answered_504_and_costs_no_m
     assert stats.forwards - before == spent < 8
     after = await gateway.post("/v1/models/synthetic/infer", json={"inputs": ["next"]})
     assert after.json()["outputs"] == ["next"]
+
+
+async def test_requests_held_over_many_forwards_are_not_reclaimed(gateway, start_worker) -> None:
+    # Two requests of 8 forwards of 150 ms each: the second waits in the batcher while the first
+    # is served, pending for longer than claim_idle_ms without being in any batch.
+    handle = await start(gateway, start_worker, batch_ms=150, reclaim_interval_ms=100, claim_idle_ms=700)
+    bodies = [{"inputs": [f"{k}-{i}" for i in range(8 * BATCH)]} for k in range(2)]
+    replies = await asyncio.gather(*(gateway.post("/v1/models/synthetic/infer", json=b) for b in bodies))
+    assert [r.json()["outputs"] for r in replies] == [b["inputs"] for b in bodies]
+    assert handle.worker.reclaimer.claimed == 0  # nothing looked abandoned, nothing ran twice
