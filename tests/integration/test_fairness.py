@@ -94,3 +94,11 @@ async def test_requests_held_over_many_forwards_are_not_reclaimed(gateway, start
     replies = await asyncio.gather(*(gateway.post("/v1/models/synthetic/infer", json=b) for b in bodies))
     assert [r.json()["outputs"] for r in replies] == [b["inputs"] for b in bodies]
     assert handle.worker.reclaimer.claimed == 0  # nothing looked abandoned, nothing ran twice
+
+
+async def test_a_drain_finishes_a_request_it_has_started_slicing(gateway, start_worker) -> None:
+    handle = await start(gateway, start_worker)
+    bulk = infer(gateway, [f"d{i}" for i in range(8 * BATCH)])
+    await wait_until(lambda: handle.worker.stats.forwards >= 2, 10)  # partly served
+    assert await handle.stop() == 0  # drained: the rest of its slices ran before the exit
+    assert (await bulk).json()["outputs"] == [f"d{i}" for i in range(8 * BATCH)]
