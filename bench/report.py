@@ -118,7 +118,8 @@ def write_report(out_dir: Path) -> Path:
     fig = summary_figures(groups)
     plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
     parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
-             _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig), _gateways(groups, fig)]
+             _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig), _gateways(groups, fig),
+             _fairness(groups)]
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
@@ -302,6 +303,27 @@ def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
             f"round.{ceiling}\n\n"
             + table(["round", "gateways", "req/s", "p50 ms", "p99 ms", "gateway µs per request",
                      "server total µs", "load client µs", "cores busy: server + client / whole machine"], rows))
+
+
+def _fairness(groups: dict[str, list[Record]]) -> str:
+    records = groups.get("fairness", [])
+    mixed = next((r for r in records if "bound_ms" in r), None)
+    if mixed is None:
+        return ""
+    bulk = dict(mixed["bulk"])  # type: ignore[call-overload]
+    verdict = "**met**" if mixed["met"] else "**missed**"
+    rows = [[r["point"], r["requests"], r["p50_ms"], r["p99_ms"], r["max_ms"]] for r in records]
+    rows.append([f"(the bulk requests beside it: {bulk['items_per_s']} items/s)", bulk["requests"], bulk["p50_ms"],
+                 bulk["p99_ms"], None])
+    return ("## Fairness under mixed load (1-input requests beside 256-input ones)\n\n"
+            f"{mixed['config']}: the model sleeps a fixed time per forward whatever the batch size, as a GPU "
+            "forward is nearly flat in batch size; one closed-loop client sends 1-input requests alone, then "
+            "beside 4 clients of 256-input requests (bench/fairness.py). Requests larger than a batch are served "
+            "in slices, so a small one rides in the next forward.\n\n"
+            f"- 1-input p99 beside bulk <= p99 alone + one full-batch forward + window: {mixed['p99_ms']} ms vs "
+            f"{mixed['p99_alone_ms']} + {mixed['full_forward_ms']} + {mixed['max_wait_ms']} = {mixed['bound_ms']} ms "
+            f"({mixed['forwards']} forwards measured): {verdict}\n\n"
+            + table(["point", "requests", "p50 ms", "p99 ms", "max ms"], rows))
 
 
 def _busy(r: Record) -> str:

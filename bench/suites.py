@@ -11,6 +11,8 @@ load point) tagged with `suite` and `config`:
     cost        serving CPU per request by process (gateway, Redis, workers) against a bare uvicorn
                 endpoint, instant workers, alternating (bench/cost.py)
     gateways    1 and 2 gateway processes on one port, instant workers, alternating
+    fairness    1-input p99 alone and beside 4 clients of 256-input requests, synthetic fixed-time
+                forward (bench/fairness.py)
 """
 
 from __future__ import annotations
@@ -294,5 +296,12 @@ def gateways(cfg: BenchConfig) -> Records:
     yield from alternate(cfg, "gateways", services, point)
 
 
+def fairness(cfg: BenchConfig) -> Records:
+    """Fairness: a 1-input request's p99 alone and beside 4 clients of 256-input requests."""
+    from bench.fairness import fairness as fairness_suite
+
+    yield from fairness_suite(cfg)
+
+
 SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale,
-          "image": image, "cost": cost, "gateways": gateways}
+          "image": image, "cost": cost, "gateways": gateways, "fairness": fairness}

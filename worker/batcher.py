@@ -2,11 +2,23 @@
 is formed.
 
 Items are what is batched: an entry whose request carries 3 inputs counts 3 toward
-`max_batch_size`. The window is a shrinking deadline on the monotonic clock, `max_wait_ms`
-from the first entry, with one loop for every window length (0 included). It opens only when
-the previous batch held more than one item: at low load nothing else is queued and waiting
-would only add latency (the concurrency-1 latency target), while under load the previous batch
-was full and the window helps fill the next one.
+`max_batch_size`. A batch is a list of `Slice`s, each a range of one entry's items:
+
+- an entry that fits a batch (at most `max_batch_size` items) is taken whole, oldest first;
+- an entry larger than a batch is served in slices: each batch takes the whole entries first,
+  then fills what room is left with the next slice of the oldest large entry. So a 1-input
+  request read while a 256-input one is in progress rides in the next forward, instead of
+  waiting for all of the large request's forwards. While large work is pending, whole entries
+  after the first leave half the batch to it, so a steady flow of small requests does not starve
+  it. The large entry is answered (and acked) once all its slices are done (worker/serve.py
+  reassembles them in item order).
+
+The window is a shrinking deadline on the monotonic clock, `max_wait_ms` from the first entry,
+with one loop for every window length (0 included). It opens only when the previous batch held
+more than one item: at low load nothing else is queued and waiting would only add latency (the
+concurrency-1 latency target), while under load the previous batch was full and the window
+helps fill the next one. While the worker holds work carried over from earlier reads, it still
+reads the stream between forwards, without blocking, so that newly arrived requests are seen.
 """
 
 from __future__ import annotations
@@ -22,6 +34,14 @@ from vramguard.shared.clock import monotonic_ms
 from vramguard.shared.keys import GROUP
 from vramguard.shared.protocol import ENTRY_FIELD, EntryId, ProtocolError, RequestMessage
 
+# A worker holds at most max(max_batch_size, MIN_HELD_ENTRIES) entries read but not finished.
+# Reading ahead lets a small request overtake large ones already read, but every entry held is
+# pending for this worker alone (a large entry is not split across workers), so an unbounded
+# read-ahead would hoard the stream from idle workers. One batch can take at most
+# max_batch_size entries, so holding more only hoards; the floor keeps read-ahead useful at
+# tiny batch sizes (a few large requests in progress and a small one behind them).
+MIN_HELD_ENTRIES = 8
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -35,6 +55,55 @@ class Entry:
     @property
     def n_items(self) -> int:
         return self.message.n_items if self.message is not None else 0
+
+
+@dataclass(slots=True, eq=False)
+class Held:
+    """An entry this worker read and has not finished: `taken` of its items are in batches
+    already. `closed` is set by whoever answered it early (deadline, failed decode, internal
+    error): its remaining items are dropped from later batches."""
+
+    entry: Entry
+    taken: int = 0
+    closed: bool = False
+
+    @property
+    def remaining(self) -> int:
+        return self.entry.n_items - self.taken
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """Items [start, stop) of one held entry, as one part of a batch."""
+
+    held: Held
+    start: int
+    stop: int
+
+    @classmethod
+    def whole(cls, entry: Entry) -> Slice:
+        """All of `entry` (a reclaimed entry, served alone)."""
+        return cls(Held(entry, entry.n_items), 0, entry.n_items)
+
+    @property
+    def entry(self) -> Entry:
+        return self.held.entry
+
+    @property
+    def entry_id(self) -> EntryId:
+        return self.held.entry.entry_id
+
+    @property
+    def message(self) -> RequestMessage | None:
+        return self.held.entry.message
+
+    @property
+    def n_items(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.stop == self.held.entry.n_items
 
 
 def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
@@ -52,7 +121,7 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
 class Batcher:
     """Reads batches for one consumer of the `workers` group on one request stream.
 
-    Entries read beyond a full batch are carried over to the next one (they are already
+    Entries read but not yet (fully) in a batch are held for the next ones (they are already
     pending for this consumer, so they must not be dropped). A worker restarted under the same
     consumer name first replays its own pending entries (XREADGROUP from id 0), so the batch
     it died in is answered without waiting for a reclaim; with `replay_history=False` (the
@@ -78,55 +147,91 @@ class Batcher:
         self.max_wait_ms = max_wait_ms
         self._block_ms = block_ms
         self._clock = clock
-        self._carry: deque[Entry] = deque()
+        self._held: deque[Held] = deque()
         self._last_batch_items = 0
         # None once our own pending entries are replayed. The Worker turns this off and lets
         # worker/reclaim.py re-deliver them one at a time (a poison among them kills only itself).
         self._history_id: bytes | None = b"0" if replay_history else None
 
     @property
+    def max_held_entries(self) -> int:
+        return max(self.max_batch_size, MIN_HELD_ENTRIES)
+
+    @property
     def carried_ids(self) -> list[EntryId]:
-        """Entries read (so pending for this consumer) but kept for the next batch."""
-        return [entry.entry_id for entry in self._carry]
+        """Entries read (so pending for this consumer) with items not yet in a batch."""
+        return [held.entry.entry_id for held in self._held if not held.closed]
 
-    def drain_carry(self) -> list[Entry]:
-        """Take the carried-over entries (at shutdown, so that they are served, not left pending)."""
-        entries = list(self._carry)
-        self._carry.clear()
-        return entries
+    def drain_carry(self) -> list[Slice]:
+        """Take the rest of every held entry (at shutdown, so that they are served, not left pending)."""
+        rest = [Slice(h, h.taken, h.entry.n_items) for h in self._held if not h.closed]
+        for held in self._held:
+            held.taken = held.entry.n_items
+        self._held.clear()
+        return rest
 
-    async def read_batch(self) -> list[Entry]:
-        """Up to `max_batch_size` items (at least one entry even if it alone is larger), or [] after
-        `block_ms` with nothing to read.
+    async def read_batch(self) -> list[Slice]:
+        """Up to `max_batch_size` items, as slices of the entries read (see the module docstring),
+        or [] after `block_ms` with nothing to read.
 
         Raises redis.exceptions.RedisError (the caller backs off) and NOGROUP ResponseError when
         the group vanished (the caller recreates it).
         """
-        batch: list[Entry] = []
-        items = self._take_carry(batch, 0)
-        if self._carry:
-            return self._finish(batch, items)  # already full from the carry-over; keep FIFO order
-        if not batch:
-            batch = await self._read(self.max_batch_size, self._block_ms)
-            items = self._trim(batch)
-            if not batch:
+        self._held = deque(h for h in self._held if not h.closed and h.remaining > 0)
+        if self._held:  # work carried over: look for new arrivals, without waiting for them
+            await self._read_more(None)
+        else:
+            await self._read_more(self._block_ms)
+            if not self._held:
                 return []
         window_ms = self.max_wait_ms if self._last_batch_items > 1 else 0.0
         deadline = self._clock() + window_ms
-        while items < self.max_batch_size:
+        while not self._full():
             remaining = int(deadline - self._clock())
-            if remaining < 1:
+            if remaining < 1 or not await self._read_more(remaining):
                 break
-            more = await self._read(self.max_batch_size - items, remaining)
-            batch.extend(more)
-            items = self._trim(batch)
-        return self._finish(batch, items)
-
-    def _finish(self, batch: list[Entry], items: int) -> list[Entry]:
-        self._last_batch_items = items
+        batch = self._form()
+        self._last_batch_items = sum(s.n_items for s in batch)
         return batch
 
-    async def _read(self, count: int, block_ms: int) -> list[Entry]:
+    async def _read_more(self, block_ms: int | None) -> bool:
+        """Read what room is left (None: do not block); False when there was no room to read."""
+        count = min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
+        if count < 1:
+            return False
+        self._held.extend(Held(entry) for entry in await self._read(count, block_ms))
+        return True
+
+    def _small_items(self) -> int:
+        """Items of held entries not yet started that fit a batch whole."""
+        return sum(h.entry.n_items for h in self._held if h.taken == 0 and not self._large(h))
+
+    def _large(self, held: Held) -> bool:
+        return held.entry.n_items > self.max_batch_size or held.taken > 0
+
+    def _full(self) -> bool:
+        return sum(h.remaining for h in self._held) >= self.max_batch_size
+
+    def _form(self) -> list[Slice]:
+        """Whole entries first (oldest first, skipping those that no longer fit), then the next
+        slices of the large ones (oldest first) in the room left."""
+        room = self.max_batch_size
+        reserve = self.max_batch_size // 2 if any(self._large(h) for h in self._held) else 0
+        batch: list[Slice] = []
+        for held in self._held:
+            n = held.entry.n_items
+            if n == 0 or (not self._large(held) and n <= (room if not batch else room - reserve)):
+                batch.append(Slice(held, 0, n))
+                held.taken, room = n, room - n
+        for held in self._held:
+            if room > 0 and self._large(held) and held.remaining > 0:
+                n = min(room, held.remaining)
+                batch.append(Slice(held, held.taken, held.taken + n))
+                held.taken, room = held.taken + n, room - n
+        self._held = deque(h for h in self._held if h.remaining > 0)
+        return batch
+
+    async def _read(self, count: int, block_ms: int | None) -> list[Entry]:
         if self._history_id is not None:
             history = await self._xreadgroup(self._history_id, count, block_ms=None)
             if history:
@@ -143,21 +248,3 @@ class Batcher:
         streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
         # A pending entry deleted meanwhile comes back as (id, None/{}): nothing left to serve.
         return [decode_entry(eid, fields) for _s, entries in streams or () for eid, fields in entries if fields]
-
-    def _take_carry(self, batch: list[Entry], items: int) -> int:
-        while self._carry and (not batch or items + self._carry[0].n_items <= self.max_batch_size):
-            entry = self._carry.popleft()
-            batch.append(entry)
-            items += entry.n_items
-        return items
-
-    def _trim(self, batch: list[Entry]) -> int:
-        """Move entries past `max_batch_size` items to the carry-over; returns the items kept."""
-        items = 0
-        for i, entry in enumerate(batch):
-            if i > 0 and items + entry.n_items > self.max_batch_size:
-                self._carry.extend(batch[i:])
-                del batch[i:]
-                break
-            items += entry.n_items
-        return items

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict
 from enum import IntEnum
@@ -38,7 +39,7 @@ from vramguard.shared.redis_client import check_eviction_policy, connect, connec
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch_errors import answer_internal_error
-from vramguard.worker.batcher import Batcher, Entry
+from vramguard.worker.batcher import Batcher, Slice
 from vramguard.worker.execute import CudaContextLost, run_batch
 from vramguard.worker.hang import HangGuard, derive_forward_timeout_s, exit_now
 from vramguard.worker.heartbeat import Heartbeat, WorkerStats
@@ -91,7 +92,9 @@ class Worker:
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
         self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
-        self._held: set[EntryId] = set()  # entries of batches being served (kept fresh by reclaim)
+        # Entries of batches being served (kept fresh by reclaim), counted: with concurrent
+        # batches two slices of one large entry may be in flight at once.
+        self._held: Counter[EntryId] = Counter()
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
         self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
@@ -311,7 +314,7 @@ class Worker:
         if reclaimer.exhausted(suspect):
             await reclaimer.dead_letter(suspect, self.settings.reply_stream_maxlen)
             return
-        await self._serve_batch(redis, [suspect.entry])
+        await self._serve_batch(redis, [Slice.whole(suspect.entry)])
 
     async def _drain(self, redis: aioredis.Redis) -> ExitCode:
         loop = asyncio.get_running_loop()
@@ -331,20 +334,24 @@ class Worker:
             return ExitCode.FORCED
         return ExitCode.OK
 
-    async def _serve_batch(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+    async def _serve_batch(self, redis: aioredis.Redis, batch: list[Slice]) -> None:
         """Serve one batch while its entries count as held (their idle time kept fresh by reclaim)."""
         assert self._server is not None
-        ids = [e.entry_id for e in entries]
+        ids = [part.entry_id for part in batch]
         self._held.update(ids)
         try:
-            await self._server.serve(redis, entries)
+            await self._server.serve(redis, batch)
         except Exception as exc:  # noqa: BLE001 - a bug in our own code: answer now, never lose it
             self.batch_task_failures += 1
+            for part in batch:  # answered below: later slices of a large entry are dropped
+                part.held.closed = True
             await answer_internal_error(
                 redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                worker_id=self.worker_id, entries=entries, exc=exc, reply_maxlen=self.settings.reply_stream_maxlen)
+                worker_id=self.worker_id, entries=list({p.entry_id: p.entry for p in batch}.values()), exc=exc,
+                reply_maxlen=self.settings.reply_stream_maxlen)
         finally:
-            self._held.difference_update(ids)
+            self._held.subtract(ids)
+            self._held = +self._held  # drop the entries no batch holds any more
 
     def _context_lost(self) -> None:
         """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -22,7 +24,7 @@ from vramguard.shared.models import ModelConfig
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.batcher import Entry
+from vramguard.worker.batcher import Entry, Held, Slice
 from vramguard.worker.costing import group_by_cost
 from vramguard.worker.execlog import ExecutionLog
 from vramguard.worker.execute import CudaContextLost, ItemResult, run_batch
@@ -65,48 +67,95 @@ class BatchServer:
         # results are published, also those of concurrent batches that finished afterwards,
         # since they ran on a device that can no longer be trusted.
         self.context_lost = False
+        # Entries being served, by id: their triage (a future, so that a concurrent batch holding
+        # another slice of the entry waits for it), then their decoded items and results so far.
+        self._parts: dict[EntryId, asyncio.Future[_Parts | None]] = {}
 
-    async def serve(self, redis: aioredis.Redis, entries: list[Entry]) -> bool:
-        """Triage, then serve the live entries in cost groups (worker/costing.py), cheapest first,
-        publishing each group as soon as it is done. Immediate replies (expired, invalid, too large
-        for the memory budget) go out first. Returns False when the device context was lost: the
-        rest of the batch stays pending, un-acked, for a fresh process to reclaim."""
+    async def serve(self, redis: aioredis.Redis, batch: Sequence[Slice]) -> bool:
+        """Triage the entries seen for the first time, then serve the batch's live slices in cost
+        groups (worker/costing.py), cheapest first, publishing each group as soon as it is done.
+        Immediate replies (expired, invalid, too large for the memory budget) go out first. An
+        entry is answered and acked when its last item is done: a large one served in slices
+        over several batches is reassembled in item order first. Returns False when the device
+        context was lost: the rest stays pending, un-acked, for a fresh process to reclaim."""
         batch_start_ms = now_ms()
-        outgoing, dead, live = await asyncio.to_thread(self._triage, entries, batch_start_ms)  # decode: CPU work
-        costs = await asyncio.to_thread(lambda: [[self._backend.item_cost(i) for i in items] for _e, items in live])
-        outgoing.extend(self._refuse_too_large(live, costs))
-        kept = [k for k, c in enumerate(costs) if self._fits_alone(c)]
-        live_ids = {live[k][0].entry_id for k in kept}
-        if outgoing or dead:
-            self._stats.errors += len(outgoing)
-            await self._publish(redis, outgoing, [e.entry_id for e in entries if e.entry_id not in live_ids], dead)
+        fresh = self._claim_fresh(batch)
+        try:
+            await self._triage_fresh(redis, fresh, batch_start_ms)
+        except BaseException:
+            for held in fresh:  # a bug in triage: nobody may wait forever on these entries
+                future = self._parts.pop(held.entry.entry_id, None)
+                if future is not None and not future.done():
+                    future.set_result(None)
+            raise
+        live: list[tuple[Slice, _Parts]] = []
+        for part in batch:
+            parts = await self._parts[part.entry_id] if part.entry_id in self._parts else None
+            if parts is not None and not part.held.closed:
+                live.append((part, parts))
+        try:
+            return await self._serve_live(redis, live, batch_start_ms)
+        except BaseException:  # the runner answers the batch's entries (or leaves them pending): forget them
+            for part in batch:
+                self._parts.pop(part.entry_id, None)
+            raise
+
+    async def _serve_live(self, redis: aioredis.Redis, live: list[_Member], batch_start_ms: int) -> bool:
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
-        for group in group_by_cost([costs[k] for k in kept], self._config.max_batch_size, budget_cost):
-            members = [(live[kept[g]], costs[kept[g]]) for g in group]
-            members = await self._drop_expired(redis, members)  # earlier groups may have outlived a deadline
+        slice_costs = [parts.costs[s.start : s.stop] for s, parts in live]
+        for group in group_by_cost(slice_costs, self._config.max_batch_size, budget_cost):
+            # Earlier groups (or batches) may have outlived a deadline.
+            members = await self._drop_expired(redis, [live[g] for g in group])
             if not members:
                 continue
-            ok = await self._serve_group(redis, [m for m, _c in members], [c for _m, c in members], batch_start_ms)
-            if not ok:
+            if not await self._serve_group(redis, members, batch_start_ms):
                 return False  # the context is lost: nothing more is computed or acked
         return True
 
-    async def _drop_expired(
-        self, redis: aioredis.Redis, members: list[tuple[tuple[Entry, list[object]], list[int]]]
-    ) -> list[tuple[tuple[Entry, list[object]], list[int]]]:
+    def _claim_fresh(self, batch: Sequence[Slice]) -> list[Held]:
+        """The entries of `batch` seen for the first time, each registered with a future that
+        its triage resolves (a concurrent batch holding another slice of it awaits that)."""
+        fresh: dict[EntryId, Held] = {}
+        loop = asyncio.get_running_loop()
+        for part in batch:
+            if part.entry_id not in self._parts and not part.held.closed:
+                fresh[part.entry_id] = part.held
+                self._parts[part.entry_id] = loop.create_future()
+        return list(fresh.values())
+
+    async def _triage_fresh(self, redis: aioredis.Redis, fresh: list[Held], batch_start_ms: int) -> None:
+        """Decode and cost the entries seen for the first time; answer those that cannot be
+        served (expired, undecodable, invalid, too large) at once and close them."""
+        outgoing, dead, live = await asyncio.to_thread(self._triage, [h.entry for h in fresh], batch_start_ms)
+        costs = await asyncio.to_thread(lambda: [[self._backend.item_cost(i) for i in items] for _e, items in live])
+        outgoing.extend(self._refuse_too_large(live, costs))
+        for (entry, items), entry_costs in zip(live, costs, strict=True):
+            if self._fits_alone(entry_costs):
+                self._parts[entry.entry_id].set_result(_Parts(items, entry_costs, batch_start_ms))
+        answered = [h for h in fresh if not self._parts[h.entry.entry_id].done()]
+        for held in answered:
+            held.closed = True
+            self._parts.pop(held.entry.entry_id).set_result(None)
+        if outgoing or dead:
+            self._stats.errors += len(outgoing)
+            await self._publish(redis, outgoing, [h.entry.entry_id for h in answered], dead)
+
+    async def _drop_expired(self, redis: aioredis.Redis, members: list[_Member]) -> list[_Member]:
         """Answer `deadline_exceeded` (and ack) for members whose deadline passed while earlier
-        groups of the same read ran; return the others. No forward is spent on a request whose
-        caller has already been answered 504 by the gateway."""
+        groups or batches ran (a large entry partly served included); return the others. No
+        forward is spent on a request whose caller has already been answered 504 by the gateway."""
         now = now_ms()
-        expired = [m for m in members if m[0][0].message is not None and m[0][0].message.deadline_ms <= now]
+        expired = [m for m in members if m[0].message is not None and m[0].message.deadline_ms <= now]
         if not expired:
             return members
         self._stats.expired += len(expired)
-        replies = [self._failure(entry, DeadlineExceededError.code, "deadline passed before its group ran")
-                   for (entry, _items), _c in expired]
-        gone = {entry.entry_id for (entry, _items), _c in expired}
-        await self._publish(redis, replies, list(gone), [])
-        return [m for m in members if m[0][0].entry_id not in gone]
+        for part, _parts in expired:
+            part.held.closed = True
+            self._parts.pop(part.entry_id, None)
+        replies = [self._failure(part.entry, DeadlineExceededError.code, "deadline passed before its group ran")
+                   for part, _parts in expired]
+        await self._publish(redis, replies, [part.entry_id for part, _parts in expired], [])
+        return [m for m in members if not m[0].held.closed]
 
     def _fits_alone(self, entry_costs: list[int]) -> bool:
         return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
@@ -122,21 +171,18 @@ class BatchServer:
                 out.append(self._failure(entry, InputTooLargeError.code, message))
         return out
 
-    async def _serve_group(
-        self, redis: aioredis.Redis, group: list[tuple[Entry, list[object]]], costs: list[list[int]],
-        batch_start_ms: int,
-    ) -> bool:
-        """Run one cost group and publish its replies. False when the device context was lost
-        (the entries stay pending, un-acked, and the worker exits)."""
-        items = [item for _entry, entry_items in group for item in entry_items]
-        request_ids = [e.message.request_id for e, _i in group if e.message is not None]
+    async def _serve_group(self, redis: aioredis.Redis, group: list[_Member], batch_start_ms: int) -> bool:
+        """Run one cost group, then publish the replies of the entries it completed. False when
+        the device context was lost (the entries stay pending, un-acked, and the worker exits)."""
+        items = [item for part, parts in group for item in parts.items[part.start : part.stop]]
+        request_ids = list(dict.fromkeys(p.message.request_id for p, _ in group if p.message is not None))
         await self._executions.record(redis, request_ids)
         started = monotonic_ms()
         try:
             with self._hang.forward("batch", request_ids):
                 results, stats = await asyncio.to_thread(
                     run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
-                    costs=[c for entry_costs in costs for c in entry_costs],
+                    costs=[c for part, parts in group for c in parts.costs[part.start : part.stop]],
                 )
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
@@ -147,20 +193,39 @@ class BatchServer:
         if self.context_lost:  # another batch's forward broke the context while this one ran
             return False
         duration_ms = monotonic_ms() - started
-        outgoing = self._replies(group, results, len(items), batch_start_ms, costs)
-        delays_ms = [float(batch_start_ms - e.message.enqueued_ms) for e, _ in group if e.message is not None]
+        completed = self._collect(group, results)
+        outgoing = [self._reply(part.entry, parts, len(items)) for part, parts in completed]
+        # Queue delay once per request: at the batch that started it, not at each later slice.
+        delays_ms = [float(batch_start_ms - p.message.enqueued_ms) for p, _ in group if p.message and p.start == 0]
         self._watchdog.record_batch(results)
         if self._watchdog.verify_due:  # many failed batches in a row: the inputs, or the device?
             await self._watchdog.verify()
         self._metrics.observe_batch(len(items), delays_ms, duration_ms)
         log.info("batch done", extra={"model": self._settings.model, "worker_id": self.worker_id,
                                       "batch_size": len(items), "requests": len(group), "forwards": stats.forwards,
-                                      "oom_events": stats.oom_events, "queue_delay_ms": max(delays_ms, default=0.0),
+                                      "completed": len(completed), "oom_events": stats.oom_events,
+                                      "queue_delay_ms": max(delays_ms, default=0.0),
                                       "duration_ms": round(duration_ms, 2)})
-        self._stats.record_batch(len(items), len(group), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
-                                sum(delays_ms))
-        await self._publish(redis, outgoing, [e.entry_id for e, _items in group], [])
+        self._stats.record_batch(len(items), len(delays_ms), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
+                                sum(delays_ms))  # requests: counted once, at their first slice (as their delay)
+        await self._publish(redis, outgoing, [part.entry_id for part, _parts in completed], [])
         return True
+
+    def _collect(self, group: list[_Member], results: list[ItemResult]) -> list[_Member]:
+        """Store each slice's results in its entry's parts, in item order; return the members
+        whose entry now has every item done (their parts are forgotten: they are answered now).
+        An entry answered meanwhile (its deadline passed in a concurrent batch) is skipped."""
+        completed: list[_Member] = []
+        offset = 0
+        for part, parts in group:
+            parts.results[part.start : part.stop] = results[offset : offset + part.n_items]
+            offset += part.n_items
+            parts.done += part.n_items
+            future = self._parts.get(part.entry_id)
+            if parts.done == len(parts.items) and future is not None and future.result() is parts:
+                del self._parts[part.entry_id]
+                completed.append((part, parts))
+        return completed
 
     async def _publish(
         self, redis: aioredis.Redis, outgoing: list[Outgoing], entry_ids: list[EntryId], dead: list[DeadLetter]
@@ -211,25 +276,37 @@ class BatchServer:
         return Outgoing(entry.message.reply_to, ReplyMessage.failure(entry.message.request_id, code, message,
                                                                      worker_id=self.worker_id))
 
-    def _replies(
-        self, live: list[tuple[Entry, list[object]]], results: list[ItemResult], batch_size: int, batch_start_ms: int,
-        costs: list[list[int]],
-    ) -> list[Outgoing]:
-        out: list[Outgoing] = []
-        offset = 0
-        for (entry, items), entry_costs in zip(live, costs, strict=True):
-            msg = entry.message
-            assert msg is not None
-            mine = results[offset : offset + len(items)]
-            offset += len(items)
-            failed = next((r for r in mine if not r.ok), None)
-            common = {"worker_id": self.worker_id, "batch_size": batch_size,
-                      "queue_delay_ms": float(batch_start_ms - msg.enqueued_ms)}
-            if failed is not None:
-                reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
-                                             failed.error_message or "", **common)
-            else:
-                reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in mine],
-                                     cost=sum(entry_costs), **common)  # type: ignore[arg-type]
-            out.append(Outgoing(msg.reply_to, reply))
-        return out
+    def _reply(self, entry: Entry, parts: _Parts, batch_size: int) -> Outgoing:
+        """The reply of an entry whose items are all done: its outputs in order, or the first
+        item's error (as for an unsplit request)."""
+        msg = entry.message
+        assert msg is not None
+        results = cast(list[ItemResult], parts.results)
+        failed = next((r for r in results if not r.ok), None)
+        common = {"worker_id": self.worker_id, "batch_size": batch_size,
+                  "queue_delay_ms": float(parts.first_batch_ms - msg.enqueued_ms)}
+        if failed is not None:
+            reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
+                                         failed.error_message or "", **common)
+        else:
+            reply = ReplyMessage(request_id=msg.request_id, outputs=[r.output for r in results],
+                                 cost=sum(parts.costs), **common)  # type: ignore[arg-type]
+        return Outgoing(msg.reply_to, reply)
+
+
+@dataclass(slots=True, eq=False)
+class _Parts:
+    """A live entry's decoded items and costs, and the results of its slices done so far (in
+    item order; None where not yet run). `first_batch_ms`: when its first batch started."""
+
+    items: list[object]
+    costs: list[int]
+    first_batch_ms: int
+    results: list[ItemResult | None] = field(default_factory=list)
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        self.results = [None] * len(self.items)
+
+
+_Member = tuple[Slice, _Parts]

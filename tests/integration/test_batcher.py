@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.keys import GROUP
 from vramguard.shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
-from vramguard.worker.batcher import Batcher
+from vramguard.worker.batcher import MIN_HELD_ENTRIES, Batcher
 
 
 async def enqueue(redis: aioredis.Redis, stream: str, n_inputs: int, tag: str) -> None:
@@ -30,19 +30,53 @@ async def test_inputs_count_toward_max_batch_size_and_overflow_is_carried(redis_
     for tag, n in [("a", 3), ("b", 2), ("c", 1)]:
         await enqueue(redis_client, stream, n, tag)
     first = await batcher.read_batch()
-    assert tags(first) == ["a"]  # a (3) + b (2) would be 5 > 4
+    assert tags(first) == ["a", "c"]  # a (3) + b (2) would be 5 > 4; c (1) still fits
     second = await batcher.read_batch()
-    assert tags(second) == ["b", "c"]  # b came from the carry-over, in order
+    assert tags(second) == ["b"]  # b came from the carry-over, whole: it fits a batch
     assert await batcher.read_batch() == []
 
 
-async def test_an_entry_larger_than_the_cap_is_taken_alone(redis_client) -> None:
+def ranges(batch: list) -> list[tuple[str, int, int]]:
+    return [(s.message.request_id, s.start, s.stop) for s in batch]
+
+
+async def test_an_entry_larger_than_the_cap_is_served_in_slices_after_small_ones(redis_client) -> None:
     stream = "t:req:batcher2"
     batcher = await make_batcher(redis_client, stream, max_batch_size=2, max_wait_ms=0)
     await enqueue(redis_client, stream, 5, "big")
     await enqueue(redis_client, stream, 1, "small")
-    assert tags(await batcher.read_batch()) == ["big"]
-    assert tags(await batcher.read_batch()) == ["small"]
+    assert ranges(await batcher.read_batch()) == [("small", 0, 1), ("big", 0, 1)]
+    assert ranges(await batcher.read_batch()) == [("big", 1, 3)]
+    await enqueue(redis_client, stream, 1, "late")  # arrives while the big one is in progress
+    assert ranges(await batcher.read_batch()) == [("late", 0, 1), ("big", 3, 4)]
+    assert ranges(await batcher.read_batch()) == [("big", 4, 5)]
+    assert await batcher.read_batch() == []
+
+
+async def test_small_entries_leave_half_the_batch_to_a_large_one(redis_client) -> None:
+    stream = "t:req:batcher7"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=4, max_wait_ms=0)
+    await enqueue(redis_client, stream, 9, "big")
+    for i in range(4):
+        await enqueue(redis_client, stream, 1, f"s{i}")
+    # The oldest small entry may take the whole room; later ones leave max_batch_size // 2.
+    assert ranges(await batcher.read_batch()) == [("s0", 0, 1), ("s1", 0, 1), ("big", 0, 2)]
+    assert ranges(await batcher.read_batch()) == [("s2", 0, 1), ("s3", 0, 1), ("big", 2, 4)]
+    assert batcher.carried_ids and len(batcher.carried_ids) == 1  # the big one, still pending
+
+
+async def test_a_worker_holds_a_bounded_number_of_entries(redis_client) -> None:
+    stream = "t:req:batcher8"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=2, max_wait_ms=0)
+    for i in range(3 * MIN_HELD_ENTRIES):
+        await enqueue(redis_client, stream, 3, f"big{i}")
+    held = []
+    for _ in range(2 * MIN_HELD_ENTRIES):
+        await batcher.read_batch()  # each read looks for newer (maybe small) entries
+        held.append(len(batcher.carried_ids))
+    assert max(held) == MIN_HELD_ENTRIES  # read ahead, up to the bound and no further
+    delivered = (await redis_client.xpending(stream, GROUP))["pending"]  # nothing is acked here
+    assert delivered < 3 * MIN_HELD_ENTRIES  # the rest stay in the stream for other workers
 
 
 async def test_window_fills_the_batch_after_a_busy_batch(redis_client) -> None:
@@ -84,7 +118,7 @@ async def test_undecodable_entry_is_returned_with_its_error(redis_client) -> Non
     await redis_client.xadd(stream, {b"other": b"x"})
     batch = await batcher.read_batch()
     assert [e.message for e in batch] == [None, None]
-    assert all(e.decode_error for e in batch)
+    assert all(s.entry.decode_error for s in batch)
 
 
 async def test_a_restarted_consumer_replays_its_own_pending_entries_first(redis_client) -> None:

@@ -91,3 +91,19 @@ def test_scale_out_verdict_counts_the_client_ceiling(one: float, two: float, bus
                            for n, rps in ((1, one), (2, two))]
     row = next(r for r in target_rows(summary_figures(records)) if r[0].startswith("2 gateway processes"))
     assert row[2] == verdict
+
+
+@pytest.mark.parametrize(("met", "verdict"), [(True, "**met**"), (False, "**missed**")])
+def test_fairness_section_states_the_bound_and_its_verdict(met: bool, verdict: str) -> None:
+    from bench.report import _fairness
+
+    alone = {"suite": "fairness", "point": "1-input alone", "requests": 400, "p50_ms": 44.0, "p99_ms": 54.5,
+             "max_ms": 60.0}
+    mixed = {**alone, "point": "1-input beside 4 x 256", "p99_ms": 95.1 if met else 140.0, "config": "synthetic",
+             "bulk": {"requests": 58, "items_per_s": 742.4, "p50_ms": 1384.0, "p99_ms": 1448.5},
+             "p99_alone_ms": 54.5, "full_forward_ms": 40.7, "max_wait_ms": 5.0, "bound_ms": 100.2, "forwards": 548,
+             "met": met}
+    text = _fairness({"fairness": [alone, mixed]})
+    assert f"= 100.2 ms (548 forwards measured): {verdict}" in text
+    assert "| 1-input beside 4 x 256 |" in text
+    assert _fairness({}) == ""
