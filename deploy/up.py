@@ -213,12 +213,35 @@ def fatal_programs(conf: Path, env: dict[str, str]) -> list[str]:
     return [line.split()[0] for line in out.stdout.splitlines() if " FATAL " in f" {line} "]
 
 
-def report_fatal(names: list[str], run_dir: str) -> None:
-    """Say which programs cannot start and why: the last distinct errors of their logs."""
+LogMarks = dict[Path, int]
+
+
+def log_marks(run_dir: str) -> LogMarks:
+    """The size of every log in `run_dir` now, before supervisord starts: supervisor appends to
+    its own log and to each program's across runs, so what an earlier, failed `make up` wrote
+    must not be read as this run's failure."""
+    return {path: path.stat().st_size for path in Path(run_dir).glob("*.log")}
+
+
+def read_since(path: Path, marks: LogMarks) -> str:
+    """What was appended to `path` after `marks` were taken ('' when the file does not exist)."""
+    try:
+        with path.open("rb") as f:
+            start = marks.get(path, 0)
+            if start > path.stat().st_size:  # truncated or replaced since: all of it is new
+                start = 0
+            f.seek(start)
+            return f.read().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
+
+
+def report_fatal(names: list[str], run_dir: str, marks: LogMarks) -> None:
+    """Say which programs cannot start and why: the last distinct errors this run logged."""
     for name in names:
         log_path = Path(run_dir) / f"{name.split(':')[-1]}.log"
         print(f"up: {name} cannot start; see {log_path}", flush=True)
-        lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+        lines = read_since(log_path, marks).splitlines()
         reasons: list[str] = []
         for line in lines:
             try:
@@ -237,20 +260,19 @@ def report_fatal(names: list[str], run_dir: str) -> None:
 EXITED = re.compile(r"exited: (\S+) \(exit status (\d+); not expected\)")
 
 
-def failing_at_start(run_dir: str) -> list[str]:
+def failing_at_start(run_dir: str, marks: LogMarks) -> list[str]:
     """Processes that exited unexpectedly at least twice before the stack was ready, from
     supervisord's log. A worker imports torch and loads weights before it can fail, which takes
     longer than supervisor's `startsecs`, so supervisor sees a crash loop of "running" processes
     and never gives up (FATAL); two failed starts in a row are the launcher's sign instead."""
-    log_path = Path(run_dir) / "supervisord.log"
-    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    text = read_since(Path(run_dir) / "supervisord.log", marks)
     counts: dict[str, int] = {}
     for name, _status in EXITED.findall(text):
         counts[name] = counts.get(name, 0) + 1
     return [name for name, n in counts.items() if n >= 2]
 
 
-def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str]) -> bool:
+def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str], marks: LogMarks) -> bool:
     """Poll /health/ready until 200. Stops early (False) when supervisord exits, gives up on a
     program, or a program keeps exiting at start (its logged errors are printed)."""
     url = f"http://127.0.0.1:{port}/health/ready"
@@ -260,9 +282,9 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
     while time.monotonic() < deadline and proc.poll() is None:
         polls += 1
         if polls % 6 == 0:  # every ~3 s
-            failing = fatal_programs(conf, env) or failing_at_start(env["VG_RUN_DIR"])
+            failing = fatal_programs(conf, env) or failing_at_start(env["VG_RUN_DIR"], marks)
             if failing:
-                report_fatal(failing, env["VG_RUN_DIR"])
+                report_fatal(failing, env["VG_RUN_DIR"], marks)
                 return False
         try:
             response = httpx.get(url, timeout=2.0)
@@ -282,21 +304,22 @@ def describe(groups: list[WorkerGroup]) -> str:
     """One line per worker program: what runs where, with what share."""
     lines = []
     for g in groups:
-        where = f"GPU {g.gpu.index} ({g.gpu.visible_id})" if g.gpu is not None else (
+        pinned = "" if g.gpu is None or g.gpu.visible_id == str(g.gpu.index) else f" ({g.gpu.visible_id})"
+        where = f"GPU {g.gpu.index}{pinned}" if g.gpu is not None else (
             "a simulated device of its own" if os.environ.get("VRAMGUARD_DEVICE") == "sim" else "the CPU")
         share = "" if g.share is None else f", {g.share:g} of its memory each"
         lines.append(f"up: {g.program}: {g.workers} x {g.model} on {where}{share}")
     return "\n".join(lines)
 
 
-def watch_workers(proc: subprocess.Popen[bytes], conf: Path, env: dict[str, str]) -> int:
+def watch_workers(proc: subprocess.Popen[bytes], conf: Path, env: dict[str, str], marks: LogMarks) -> int:
     """Workers-only mode: wait for supervisord; stop it (exit 1) when it gives up on a program,
     so that the container's restart policy starts a fresh one."""
     while proc.poll() is None:
         time.sleep(3)
         fatal = fatal_programs(conf, env) if proc.poll() is None else []
         if fatal:
-            report_fatal(fatal, env["VG_RUN_DIR"])
+            report_fatal(fatal, env["VG_RUN_DIR"], marks)
             proc.send_signal(signal.SIGTERM)
             proc.wait()
             return 1
@@ -313,27 +336,39 @@ def main(argv: list[str] | None = None) -> int:
     write_programs(Path(env["VG_RUN_DIR"]), groups, log_to_stdout=args.workers_only)
     conf = ROOT / "deploy" / "supervisord.conf"
     supervisord = Path(sys.executable).with_name("supervisord")
+    marks = log_marks(env["VG_RUN_DIR"])
     proc = subprocess.Popen([str(supervisord), "-c", str(conf)], env=env, cwd=ROOT)
     signal.signal(signal.SIGTERM, lambda *_: proc.send_signal(signal.SIGTERM))
     signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGTERM))
     print(f"{describe(groups)}\nup: logs in {env['VG_RUN_DIR']}/", flush=True)
     if args.workers_only:
-        return watch_workers(proc, conf, env)
+        return watch_workers(proc, conf, env, marks)
     port = env["VRAMGUARD_PORT"]
-    if not wait_ready(proc, port, conf, env):
+    if not wait_ready(proc, port, conf, env, marks):
         if proc.poll() is not None:  # stopped by Ctrl-C or SIGTERM, or supervisord failed
             return proc.returncode
         print("up: not ready; stopping. Fix the cause above (or see the logs) and run it again.", flush=True)
         proc.send_signal(signal.SIGTERM)
         proc.wait()
         return 1
-    model = groups[0].model
-    example = '{"inputs": ["a sentence", "another one"]}' if model == "minilm" else '{"inputs": [1, "two"]}'
-    print(f"\nvramguard is ready at http://127.0.0.1:{port}\n"
-          f"  curl -s -X POST http://127.0.0.1:{port}/v1/models/{model}/infer "
-          f"-H 'Content-Type: application/json' -d '{example}'\n"
-          f"Ctrl-C stops it.\n", flush=True)
+    print(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(load_settings(env), groups[0].model, port)}\n"
+          "Ctrl-C stops it.\n", flush=True)
     return proc.wait()
+
+
+def try_it(settings: Settings, model: str, port: str) -> str:
+    """A request a user can paste: the model's declared `example` as JSON, a raw-body upload for
+    a bytes model, else where to read what the model takes. The API key stays in the environment."""
+    spec = settings.spec_for(model)
+    url = f"http://127.0.0.1:{port}/v1/models/{model}"
+    auth = " -H \"Authorization: Bearer $VRAMGUARD_API_KEY\"" if settings.api_key else ""
+    if spec.example is not None:
+        body = json.dumps({"inputs": list(spec.example)})
+        return f"  curl -s -X POST {url}/infer{auth} -H 'Content-Type: application/json' -d '{body}'"
+    if spec.raw_content_types:
+        kind = spec.raw_content_types[0]
+        return f"  curl -s -X POST {url}/infer{auth} -H 'Content-Type: {kind}' --data-binary @YOUR_FILE"
+    return f"  what {model} takes: curl -s {url}{auth}  (input_kind, parameters, output)"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
-"""`python -m vramguard.gateway`: read Settings from the environment, then serve with uvicorn."""
+"""`python -m vramguard.gateway`: read Settings from the environment, then serve with uvicorn.
+
+The HTTP front of vramguard: validates requests, queues them on Redis Streams for the workers and
+answers with their results. It takes no arguments: every setting is a VRAMGUARD_* environment
+variable (listed below). `make up` starts it under supervisor with the workers.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
 import sys
@@ -12,10 +18,12 @@ import uvicorn
 from vramguard.gateway.app import create_app, drain_requests
 from vramguard.gateway.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
-from vramguard.shared.settings import Settings, SettingsError
+from vramguard.shared.settings import Settings, SettingsError, settings_help
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m vramguard.gateway", description=__doc__, epilog=settings_help(),
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     try:
         settings = Settings.from_env()
     except SettingsError as exc:

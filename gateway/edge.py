@@ -119,7 +119,7 @@ def check_parameters(spec: ModelSpec, parameters: Mapping[str, object]) -> None:
                                     f"it takes: {known}")
         kinds = _PARAMETER_TYPES[declared.type]
         if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-            raise InvalidInputError(f"parameters.{name}: must be a {declared.type}")
+            raise InvalidInputError(f"parameters.{name}: must be of type {declared.type}")
 
 
 def check_text_length(spec: ModelSpec, index: int, text: str, truncate: bool) -> str:

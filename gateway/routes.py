@@ -150,6 +150,8 @@ def _model_info(request: Request, name: str) -> ModelInfo:
         description=spec.description,
         input_kind=spec.input_kind,
         output=spec.output,
+        parameters=spec.parameters,
+        example=spec.example,
         config=settings_of(request).model_config_for(name),
         live_workers=len(workers),
         workers=workers,

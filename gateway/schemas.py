@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, Validat
 
 from vramguard.gateway.edge import MAX_TIMEOUT_MS, check_text_length
 from vramguard.shared.errors import InputTooLongError, InvalidInputError, PayloadTooLargeError
-from vramguard.shared.models import InputKind, ModelConfig, ModelSpec, OutputSpec
+from vramguard.shared.models import InputKind, ModelConfig, ModelSpec, OutputSpec, ParameterSpec
 
 # msgpack (shared/protocol.py) carries integers from int64's minimum to uint64's maximum; JSON has no bound.
 WIRE_INT_MIN, WIRE_INT_MAX = -(2**63), 2**64 - 1
@@ -58,6 +58,8 @@ class ModelInfo(BaseModel):
     description: str
     input_kind: InputKind
     output: OutputSpec
+    parameters: dict[str, ParameterSpec]  # what `parameters` may carry (any other name is 422)
+    example: tuple[JsonValue, ...] | None  # a sample `inputs` list (the models file's `example`)
     config: ModelConfig
     live_workers: int
     workers: dict[str, dict[str, JsonValue]]  # worker_id -> its heartbeat record (shared/heartbeat.py), no histograms

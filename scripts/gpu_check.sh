@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
 echo "== 1a. python -m vramguard.worker.profile --model minilm --device cuda"
 timeout 180 "$PY" -m vramguard.worker.profile --model minilm --device cuda
 PLAN=$(timeout 120 "$PY" -m vramguard.worker.profile --model minilm --device cuda --json 2>/dev/null)
-WATERMARK=${WATERMARK:-$("$PY" -c 'import json, sys; p = json.loads(sys.argv[1]); print(round((p["baseline_bytes"]
+WATERMARK=${WATERMARK:-$("$PY" -c 'import json, sys; p = json.loads(sys.argv[1]); print(round((p["context_bytes"]
     + p["weights_bytes"] + p["fixed_bytes"] + p["per_token_bytes"] * 8 * 256) / p["total_bytes"] * 1.02, 6))' "$PLAN")}
 timeout 120 "$PY" -m vramguard.worker.profile --model minilm --device cuda --json --total-bytes $((16 * 1024 ** 3)) \
     --workers-per-gpu 2 2>/dev/null | sed 's/^/planned for a 16 GiB GPU shared by 2 workers: /'

@@ -26,7 +26,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 
 class InputKind(StrEnum):
@@ -158,6 +158,9 @@ class ModelSpec(BaseModel):
     parameters: the request parameters the model understands, by name (any other is 422).
     max_input_tokens: a text model's token window (the input-length policy: longer inputs get
         413 input_too_long unless the request opts into truncation); None: no window.
+    example: one request's `inputs` a client may send (JSON values), shown in `make up`'s curl
+        line and in `GET /v1/models/{name}`; None: `make up` shows a raw-body curl for a bytes
+        model with `raw_content_types`, else points at the model's description.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -175,6 +178,7 @@ class ModelSpec(BaseModel):
     outputs: tuple[TensorSpec, ...] = Field((), max_length=1)
     parameters: dict[str, ParameterSpec] = Field(default_factory=dict)
     max_input_tokens: int | None = Field(None, ge=3)
+    example: tuple[JsonValue, ...] | None = Field(None, min_length=1)
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelSpec:
@@ -182,6 +186,8 @@ class ModelSpec(BaseModel):
             raise ValueError("raw_content_types needs input_kind = 'bytes'")
         if self.max_input_tokens is not None and self.input_kind is not InputKind.TEXT:
             raise ValueError("max_input_tokens needs input_kind = 'text'")
+        if self.example and self.input_kind is not InputKind.JSON and not all(isinstance(v, str) for v in self.example):
+            raise ValueError(f"example: a {self.input_kind.value} model's inputs are strings")
         if bool(self.inputs) != bool(self.outputs):
             raise ValueError("the KServe v2 view declares both inputs and outputs (one each), or neither")
         if self.inputs and self.inputs[0].shape != (-1,):
@@ -228,6 +234,7 @@ BUILTIN: dict[str, ModelSpec] = {
             outputs=(TensorSpec(name="embedding", datatype="FP32", shape=(-1, 384)),),
             parameters={"truncate": TRUNCATE},
             max_input_tokens=256,
+            example=("a sentence", "another one"),
         ),
         ModelSpec(
             name="synthetic",
@@ -244,6 +251,7 @@ BUILTIN: dict[str, ModelSpec] = {
             inputs=(TensorSpec(name="input", datatype="FP64", shape=(-1,)),),
             outputs=(TensorSpec(name="output", datatype="FP64", shape=(-1,)),),
             parameters={"tag": ParameterSpec(type="string", description="ignored; echoed nowhere (tests)")},
+            example=(1, "two"),
         ),
         ModelSpec(
             name="efficientnet",

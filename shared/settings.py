@@ -273,6 +273,17 @@ class Settings(BaseSettings):
             raise SettingsError(_describe(exc)) from exc
 
 
+def settings_help() -> str:
+    """Every setting as its environment variable and default, one per line, for a `--help`.
+    Per-model settings are nested with `__` (VRAMGUARD_MODELS__<MODEL>__MAX_BATCH_SIZE)."""
+    lines = ["settings (environment variables; defaults in brackets, README 'Settings' explains each):"]
+    for name, field in Settings.model_fields.items():
+        default = "" if field.is_required() else field.get_default(call_default_factory=True)
+        shown = "unset" if default is None else ("{}" if default == {} else default)
+        lines.append(f"  {ENV_PREFIX}{name.upper():<40} [{shown}]")
+    return "\n".join(lines)
+
+
 def mask_url_password(url: str) -> str:
     """`url` with its password replaced by `***` (redis://:s3cret@host:6379/0 -> redis://:***@host:6379/0);
     the rest unchanged, and a URL without a password returned as is."""

@@ -1,17 +1,34 @@
-"""`python -m vramguard.worker`: read Settings, build the model backend, run the Worker, exit with its code."""
+"""`python -m vramguard.worker`: read Settings, build the model backend, run the Worker, exit with its code.
+
+One worker process serves one model (VRAMGUARD_MODEL) on one device (CUDA_VISIBLE_DEVICES pins it
+to one GPU): it reads batches from the model's Redis stream, runs them inside its memory budget
+and publishes the results. It takes no arguments: every setting is a VRAMGUARD_* environment
+variable (listed below). `make up` starts workers under supervisor, which restarts one that exits.
+"""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import sys
 
 from vramguard.shared.logs import configure_logging
-from vramguard.shared.settings import Settings, SettingsError
+from vramguard.shared.settings import Settings, SettingsError, settings_help
 
 
-def main() -> int:
+def exit_codes_help() -> str:
+    """The exit codes, one per line (supervisor restarts a worker on any but 0)."""
+    from vramguard.worker.runner import ExitCode  # no torch import: cheap enough for --help
+
+    return "exit codes:\n" + "\n".join(f"  {code.value}  {code.name}" for code in ExitCode)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(prog="python -m vramguard.worker", description=__doc__,
+                            epilog=f"{exit_codes_help()}\n\n{settings_help()}",
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     try:
         settings = Settings.from_env()
     except SettingsError as exc:

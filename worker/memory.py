@@ -257,7 +257,11 @@ def start_budget(
     try:
         backend.load()
     except torch.cuda.OutOfMemoryError:
-        raise MemoryPlanError(f"the weights do not fit the device ({accounting.total_bytes()} bytes)") from None
+        share = settings.effective_memory_share
+        raise MemoryPlanError(
+            f"the weights do not fit: out of device memory while loading them (device {accounting.total_bytes()} "
+            f"bytes, this worker's share {share:g} = {int(share * accounting.total_bytes())} bytes; other "
+            "processes on the same device hold the rest)") from None
     weights = max(0, accounting.allocated_bytes() - before)
     warm_up()
     plan = build_plan(backend, accounting, settings, config, context_bytes=context, weights_bytes=weights,

@@ -146,10 +146,8 @@ class Worker:
             await check_eviction_policy(redis, self.settings)
             await asyncio.to_thread(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
-        except (RedisError, RuntimeError) as exc:  # RuntimeError: an evicting Redis under eviction_check=refuse
-            await clock.stop()
-            log.error("cannot use Redis at start", extra={"error": str(exc)})
-            return ExitCode.STARTUP_FAILED
+        # PlacementError and MemoryPlanError are RuntimeErrors as well, so they come before the
+        # Redis branch (whose RuntimeError is an evicting Redis under eviction_check=refuse).
         except PlacementError as exc:
             await clock.stop()
             log.error("memory share refused: the GPU is already fully shared", extra={"error": str(exc)})
@@ -157,6 +155,10 @@ class Worker:
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
             await clock.stop()
             log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
+            return ExitCode.STARTUP_FAILED
+        except (RedisError, RuntimeError) as exc:
+            await clock.stop()
+            log.error("cannot use Redis at start", extra={"error": str(exc)})
             return ExitCode.STARTUP_FAILED
         except BackendContractError as exc:
             log.error("model does not follow its declared contract", extra={"error": str(exc)})

@@ -72,7 +72,7 @@ async def test_a_user_models_declared_parameters_and_v2_tensors_are_checked_by_t
         assert "bogus" in str(unknown["message"]) and "scale" in str(unknown["message"])
         wrong = error_of(await gateway.post(echo, json={"inputs": [1], "parameters": {"scale": "2"}}),
                          422, "invalid_input")
-        assert "must be a number" in str(wrong["message"])
+        assert "must be of type number" in str(wrong["message"])
         error_of(await gateway.post(echo, json={"inputs": [1], "parameters": {"scale": 2}}), 503, "unavailable")
         v2 = (await gateway.get("/v2/models/echo")).json()
         assert v2["inputs"] == [{"name": "x", "datatype": "FP64", "shape": [-1]}]

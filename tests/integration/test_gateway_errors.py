@@ -92,6 +92,9 @@ async def test_model_listing_shows_batching_settings(gateway) -> None:
     assert set(by_name) == {"minilm", "synthetic"}
     assert by_name["minilm"]["config"]["max_batch_size"] == 32
     assert by_name["minilm"]["config"]["max_wait_ms"] == 5.0
+    # What a client may send: the declared parameters (others are 422) and a sample `inputs` list.
+    assert by_name["minilm"]["parameters"]["truncate"]["type"] == "boolean"
+    assert by_name["minilm"]["example"] == ["a sentence", "another one"]
     assert (await gateway.get("/v1/models/nope")).status_code == 404
 
 

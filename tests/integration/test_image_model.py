@@ -34,7 +34,7 @@ def hostile_images(photo: bytes) -> dict[str, tuple[bytes, set[int]]]:
     sixteen_bit = Image.fromarray((np.arange(48 * 64).reshape(48, 64) * 20).astype(np.uint16))
     assert sixteen_bit.mode == "I;16"
     return {
-        "truncated": (photo[: len(photo) // 2], {422}),
+        "truncated": (photo[: len(photo) // 2], {422}),  # the messages: test_bad_images_are_named_plainly
         "not an image": (b"%PDF-1.4 certainly not a picture", {422}),
         "20000x20000 bomb": (encoded(Image.new("1", (20_000, 20_000))), {413}),  # ~50 KB of PNG
         "1x1": (encoded(Image.new("RGB", (1, 1), (255, 0, 0))), {200}),
@@ -79,7 +79,11 @@ async def test_image_classifier_end_to_end_with_hostile_inputs(stack: Stack) -> 
         for (name, (_, allowed)), reply in zip(cases.items(), replies, strict=False):
             assert reply.status_code in allowed, (name, reply.status_code, reply.text)
             if reply.status_code != 200:
-                assert reply.json()["error"]["message"], name
+                message = reply.json()["error"]["message"]
+                # Plain words for the client, never Pillow's exception text (class names, object reprs).
+                assert message and "Error" not in message and " at 0x" not in message, (name, message)
+        assert "truncated or corrupt" in replies[0].json()["error"]["message"]
+        assert "not an image" in replies[1].json()["error"]["message"]
         assert all(r.status_code == 200 for r in replies[len(cases):])
 
         # 4. The worker is alive and still answers.

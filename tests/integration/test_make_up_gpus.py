@@ -206,8 +206,11 @@ def test_workers_that_keep_failing_at_start_are_reported_and_the_stack_stops(red
        share (0.8 / 3 = 136.5 MiB) cannot hold its 128 MiB of weights + 16 MiB + one item.
     2. The workers exit 3 at start, again and again: they fail after supervisor's startsecs, so
        supervisor itself never gives up.
-    Result: make up names the failing workers and the reason from their logs, stops the stack and
-    exits non-zero well before its readiness timeout."""
+    3. The user fixes the cause (WORKERS_PER_GPU=2) and runs make up again on the same port, so in
+       the same run dir, whose logs still hold the first run's failures.
+    Result: make up names the failing workers and the memory reason from their logs, stops the stack
+    and exits non-zero well before its readiness timeout; the second run is not confused by the
+    first run's logs: it becomes ready and prints a request for the model."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
     env.update(VRAMGUARD_SIM_GPUS="1", VRAMGUARD_PORT=str(free_port()), VRAMGUARD_REDIS_URL=redis_server.url,
                VRAMGUARD_KEY_PREFIX=key_prefix, VRAMGUARD_DEVICE_LEDGER_DIR=str(tmp_path / "ledger"))
@@ -217,12 +220,35 @@ def test_workers_that_keep_failing_at_start_are_reported_and_the_stack_stops(red
     run_dir = ROOT / ".run" / env["VRAMGUARD_PORT"]
     supervisord = int((run_dir / "supervisord.pid").read_text()) if (run_dir / "supervisord.pid").exists() else None
     log = (run_dir / "supervisord.log").read_text(errors="replace")
-    shutil.rmtree(run_dir, ignore_errors=True)
-    assert done.returncode == 1, done.stdout[-3000:]
-    assert "worker-synthetic-gpu0-" in done.stdout and "cannot start" in done.stdout, done.stdout[-3000:]
-    assert "cannot hold" in done.stdout and "not ready; stopping" in done.stdout, done.stdout[-3000:]
-    assert time.monotonic() - started < 200
-    assert "exit status 3" in log and "stopped: gateway" in log  # it stopped everything it ran
-    if supervisord is not None:  # supervisord removes its pid file on a clean exit
-        with pytest.raises(ProcessLookupError):
-            os.kill(supervisord, 0)
+    try:
+        assert done.returncode == 1, done.stdout[-3000:]
+        assert "worker-synthetic-gpu0-" in done.stdout and "cannot start" in done.stdout, done.stdout[-3000:]
+        assert "memory budget too small" in done.stdout and "cannot hold" in done.stdout, done.stdout[-3000:]
+        assert "cannot use Redis" not in done.stdout and "not ready; stopping" in done.stdout, done.stdout[-3000:]
+        assert time.monotonic() - started < 200
+        assert "exit status 3" in log and "stopped: gateway" in log  # it stopped everything it ran
+        if supervisord is not None:  # supervisord removes its pid file on a clean exit
+            with pytest.raises(ProcessLookupError):
+                os.kill(supervisord, 0)
+        assert ready_after_fix(env, run_dir) == (
+            f"curl -s -X POST http://127.0.0.1:{env['VRAMGUARD_PORT']}/v1/models/synthetic/infer "
+            """-H 'Content-Type: application/json' -d '{"inputs": [1, "two"]}'""")
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def ready_after_fix(env: dict[str, str], run_dir: Path) -> str:
+    """make up with 2 workers per GPU in `run_dir`; returns the request line it prints once ready."""
+    out = run_dir / "second-up.out"
+    with out.open("wb") as sink:
+        proc = subprocess.Popen([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "2"],
+                                cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while "Ctrl-C stops it" not in out.read_text(errors="replace"):
+                assert proc.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+                time.sleep(0.3)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=60)
+    return next(line.strip() for line in out.read_text().splitlines() if line.strip().startswith("curl"))

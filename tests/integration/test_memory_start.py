@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -16,14 +17,19 @@ MIB = 1024 * 1024
 
 
 @pytest.mark.parametrize("device_mib", [100, 150, 170])
-async def test_a_device_too_small_stops_the_worker_at_start(settings_factory, device_mib: int) -> None:
+async def test_a_device_too_small_stops_the_worker_at_start(settings_factory, caplog: pytest.LogCaptureFixture,
+                                                            device_mib: int) -> None:
     """1. The synthetic model's 128 MiB of weights on a 100 MiB device (they do not load), on
     150 MiB (the warmup OOMs), or on 170 MiB (0.8 x 170 = 136 MiB cannot hold weights + fixed +
     one item).
-    Result: the worker exits STARTUP_FAILED (supervisor gives up after startretries)."""
+    Result: the worker exits STARTUP_FAILED (supervisor gives up after startretries), and its log
+    says memory is the reason, not Redis (the memory errors are RuntimeErrors too)."""
     settings = settings_factory(model="synthetic", device="sim", sim_memory_bytes=device_mib * MIB)
     worker = Worker(settings, create_backend(settings, "sim"))
-    assert await worker.run() == ExitCode.STARTUP_FAILED
+    with caplog.at_level(logging.ERROR, logger="vramguard.worker.runner"):
+        assert await worker.run() == ExitCode.STARTUP_FAILED
+    messages = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert messages == ["memory budget too small or device failed at start"], messages
 
 
 def run_profile(*args: str) -> subprocess.CompletedProcess[str]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import concurrent.futures
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -17,7 +19,7 @@ import tritonclient.http as triton
 import tritonclient.http.aio as triton_aio
 from tritonclient.utils import InferenceServerException
 
-from tests.helpers import RedisServer, Stack
+from tests.helpers import ROOT, RedisServer, Stack
 
 pytestmark = pytest.mark.slow
 TEXTS = ["How do I reset my password?", "The volcano erupted last night.", "a"]
@@ -259,3 +261,16 @@ def test_long_text_policy_on_every_route(stacks: tuple[Stack, Stack]) -> None:
     # Visible to the gateway, but no token for the model (a lone combining accent): refused by the worker.
     no_tokens = httpx.post(f"{stack.url}/v1/models/minilm/infer", json={"inputs": ["ok", "\u0301"]})
     assert no_tokens.status_code == 422 and "inputs[1]: no tokens" in no_tokens.text, no_tokens.text
+
+
+def test_the_readme_client_examples_run_as_written(stacks: tuple[Stack, Stack]) -> None:
+    """README "API": the openai and tritonclient snippet, pointed at this stack's port, prints
+    what its comments say."""
+    open_stack, _ = stacks
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("The clients as they come", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    host = open_stack.url.removeprefix("http://")
+    done = subprocess.run([sys.executable, "-c", block.replace("127.0.0.1:8000", host)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["2 384", "(2, 384)"]

@@ -34,6 +34,7 @@ def test_example_models_file_loads_and_its_class_follows_the_contract(monkeypatc
     monkeypatch.syspath_prepend(str(EXAMPLE_MODELS.parent))
     spec = load_models_file(EXAMPLE_MODELS)["tiny"]
     assert spec.output == OutputSpec(kind="tensor", datatype="float32", shape=(3,), description="class probabilities")
+    assert spec.example is not None and len(spec.example[0]) == 8  # make up's curl line sends it
     import_backend_class(spec)
 
 
@@ -69,6 +70,8 @@ def test_contract_check_lists_every_problem() -> None:
     (MINE + "inputs=[{name='i', datatype='FP64', shape=[-1]}]\n"
      "outputs=[{name='o', datatype='float32', shape=[-1]}]\n", "datatype 'float32'"),
     (MINE + "max_input_tokens=128\n", "needs input_kind = 'text'"),
+    (MINE.replace("input_kind='json'", "input_kind='text'") + "example=[1, 2]\n", "a text model's inputs are strings"),
+    (MINE + "example=[]\n", "[mine] example"),
 ])
 def test_models_file_errors_name_the_entry(tmp_path: Path, text: str, expected: str) -> None:
     path = tmp_path / "models.toml"

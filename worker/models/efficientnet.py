@@ -160,8 +160,11 @@ def decode_image(blob: bytes, index: int = 0) -> np.ndarray:
                                         box=(left, top, right, bottom))
     except Image.DecompressionBombError as exc:
         raise InputTooLargeError(f"inputs[{index}]: {exc}") from None
-    except _DECODE_ERRORS as exc:
-        raise InvalidInputError(f"inputs[{index}]: not a decodable image ({type(exc).__name__}: {exc})") from None
+    except UnidentifiedImageError:
+        raise InvalidInputError(f"inputs[{index}]: not an image in a format this model reads "
+                                "(JPEG, PNG, WebP, GIF, BMP, TIFF)") from None
+    except _DECODE_ERRORS:  # Pillow's own text names internals (file objects, decoder states): not for clients
+        raise InvalidInputError(f"inputs[{index}]: a truncated or corrupt image file") from None
     pixels = (np.asarray(rgb, dtype=np.float32) / 255.0 - MEAN) / STD
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
