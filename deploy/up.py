@@ -46,6 +46,9 @@ from vramguard.shared.redis_client import find_redis_server  # noqa: E402
 from vramguard.shared.settings import Settings, SettingsError  # noqa: E402
 
 READY_TIMEOUT_S = 600  # first start on a slow machine imports torch and loads weights
+# The gateways' prometheus_client multiprocess directory in VG_RUN_DIR; deploy/supervisord.conf
+# gives the gateway program PROMETHEUS_MULTIPROC_DIR=VG_RUN_DIR/metrics.
+METRICS_DIR = "metrics"
 
 
 def redis_server() -> str:
@@ -145,6 +148,9 @@ def build_env(workers_only: bool, groups: list[WorkerGroup], gateways: int = 1) 
     gateway's settings (`gateways` processes on one port: reuse_port when more than one), and the
     run dir of this stack (.run/<port>/, so two stacks do not share a control socket)."""
     env = dict(os.environ)
+    # Only the gateway program gets one (deploy/supervisord.conf): a worker inheriting the caller's
+    # would turn its private prometheus_client registry into files in that directory.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     if gateways < 1:
         refuse(f"GATEWAYS={gateways}: must be at least 1")
     if gateways > 1:
@@ -181,6 +187,16 @@ def build_env(workers_only: bool, groups: list[WorkerGroup], gateways: int = 1) 
         PYTHONUNBUFFERED="1",
     )
     return env
+
+
+def fresh_metrics_dir(run_dir: Path) -> Path:
+    """Empty (or create) the gateways' metrics directory in `run_dir`; returns it. Before
+    supervisord starts: prometheus_client sums every file there, so a previous run's files would
+    add its counts to this run's, and the gateways' live gauges would start off non-zero."""
+    path = run_dir / METRICS_DIR
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
 
 
 def load_settings(env: Mapping[str, str]) -> Settings:
@@ -334,6 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     load_settings(env)
     check_workers(env, groups)
     write_programs(Path(env["VG_RUN_DIR"]), groups, log_to_stdout=args.workers_only)
+    if not args.workers_only:
+        fresh_metrics_dir(Path(env["VG_RUN_DIR"]))
     conf = ROOT / "deploy" / "supervisord.conf"
     supervisord = Path(sys.executable).with_name("supervisord")
     marks = log_marks(env["VG_RUN_DIR"])

@@ -64,7 +64,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.settings = settings
         app.state.health = health
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
-        app.state.metrics = GatewayMetrics(settings, redis, keys, health)
+        app.state.metrics = metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
@@ -83,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             # Reverse order of startup: stop admitting, drain, fail the rest, stop readers, close.
             await drain_requests(app)
+            metrics.close()  # drained: nothing of ours in flight stays in the host's sums
             await health.stop()
             await listener.stop()
             await clock.stop()

@@ -85,6 +85,15 @@ class Settings(BaseSettings):
     # Several gateway processes on one port (`make up GATEWAYS=N`): each binds with SO_REUSEPORT and
     # the kernel spreads connections over them; each keeps its own reply stream.
     reuse_port: bool = False
+    # Gateway processes of one host that share their metrics (`make up` gateways): prometheus_client's
+    # multiprocess mode. Each process keeps its series in mmap files in this directory and `/metrics`,
+    # from any of them, renders the sum (gateway/metrics.py). The library reads
+    # PROMETHEUS_MULTIPROC_DIR itself when it is imported, before any Settings exist, so that
+    # variable (not a VRAMGUARD_ one) is this setting: one name, read by both, cannot disagree.
+    # deploy/supervisord.conf sets it for the gateway program only. Unset: the process's own registry.
+    prometheus_multiproc_dir: str | None = Field(
+        None, validation_alias=AliasChoices("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+    )
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # The HTTP server's limits against slow or hostile clients (gateway/server.py). Keep-alive:

@@ -138,13 +138,14 @@ class Stack:
         self._log_files.append(log)
         return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
 
-    def start_gateway(self, **extra: object) -> None:
-        self.gateway = self._spawn("vramguard.gateway", "gateway", port=self.port, **extra)
+    def start_gateway(self, environ: dict[str, str] | None = None, **extra: object) -> None:
+        self.gateway = self._spawn("vramguard.gateway", "gateway", environ, port=self.port, **extra)
 
-    def spawn_gateway(self, name: str, **extra: object) -> subprocess.Popen[bytes]:
+    def spawn_gateway(self, name: str, environ: dict[str, str] | None = None,
+                      **extra: object) -> subprocess.Popen[bytes]:
         """Another gateway process on this stack's port (it needs reuse_port=True in the settings,
         as does the first); the caller stops it."""
-        return self._spawn("vramguard.gateway", name, port=self.port, **extra)
+        return self._spawn("vramguard.gateway", name, environ, port=self.port, **extra)
 
     def start_worker(self, environ: dict[str, str] | None = None, **extra: object) -> subprocess.Popen[bytes]:
         """A `python -m vramguard.worker` with `extra` as VRAMGUARD_* settings and `environ` (e.g.
