@@ -101,6 +101,7 @@ class Figures:
     cost: CostFigures | None = None
     gateways_rps: dict[int, list[float]] = field(default_factory=dict)  # gateway processes -> req/s per round
     gateways_busy: float | None = None  # share of the machine's cores busy at 1 gateway
+    fairness: Record | None = None  # the fairness suite's mixed point (p99 beside bulk, its bound, verdict)
 
 
 def spread(values: list[float]) -> str:
@@ -157,6 +158,7 @@ def summary_figures(groups: dict[str, list[Record]]) -> Figures:
     fig.cost = cost_figures(groups.get("cost", []))
     fig.gateways_rps = gateway_rps(groups.get("gateways", []))
     fig.gateways_busy = machine_busy(groups.get("gateways", []))
+    fig.fairness = next((r for r in groups.get("fairness", []) if "bound_ms" in r), None)
     return fig
 
 
@@ -198,6 +200,11 @@ def target_rows(fig: Figures) -> list[list[object]]:
                      f"{ratio:.2f}x ({fig.scale_rps[8]:.0f} vs {fig.scale_rps[1]:.0f} req/s; "
                      f"gateway ceiling {fig.gateway_ceiling_rps or 0:.0f} req/s)", _verdict(ratio >= capped)])
     rows += serving_rows(fig)
+    if fig.fairness is not None:
+        f = fig.fairness
+        rows.append(["1-input p99 beside 4 x 256-input clients <= its p99 alone + one full forward + window",
+                     f"{f['p99_ms']} vs {f['p99_alone_ms']} + {f['full_forward_ms']} + {f['max_wait_ms']} = "
+                     f"{f['bound_ms']} ms", _verdict(bool(f["met"]))])
     if (1, 1) in fig.placed_rps and (2, 2) in fig.placed_rps:
         ratio = fig.placed_rps[(2, 2)] / max(fig.placed_rps[(1, 1)], 1e-9)
         rows.append(["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)",

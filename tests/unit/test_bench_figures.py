@@ -26,7 +26,10 @@ def run_records() -> dict[str, list[dict[str, object]]]:
     scale.append(point("scale", "gateway ceiling (instant workers)", 64, 400.0, 50.0))
     strategies = [point("strategies", "dynamic batching (batch 32, 5 ms)", 1, 40.0, 30.0, p50_ms=16.0),
                   point("strategies", "naive FastAPI (no control)", 1, 50.0, 20.0, p50_ms=13.5)]
-    return {"physical": physical, "peer": peer, "scale": scale, "strategies": strategies}
+    fairness = [{"suite": "fairness", "point": "1-input alone", "p99_ms": 50.0},
+                {"suite": "fairness", "point": "1-input beside 4 x 256", "p99_ms": 97.0, "p99_alone_ms": 50.0,
+                 "full_forward_ms": 41.0, "max_wait_ms": 5.0, "bound_ms": 96.0, "met": False}]
+    return {"physical": physical, "peer": peer, "scale": scale, "strategies": strategies, "fairness": fairness}
 
 
 def test_figures_from_a_run() -> None:
@@ -51,6 +54,8 @@ def test_target_verdicts() -> None:
     assert rows["p50 at c=1 <= the naive in-process endpoint's + 2 ms"][1:] == [
         "+2.5 ms (16.0 vs 13.5 ms, the model alone 14.0 ms)", "**missed**"]
     assert rows["8 synthetic workers >= 7x 1 worker (until the gateway ceiling)"][2] == "**met**"  # 7.6x
+    assert rows["1-input p99 beside 4 x 256-input clients <= its p99 alone + one full forward + window"][1:] == [
+        "97.0 vs 50.0 + 41.0 + 5.0 = 96.0 ms", "**missed**"]
     assert rows["2 simulated GPUs x 2 workers vs 1 x 1 (placed as make up places them)"][1:] == [
         "3.75x (90 vs 24 req/s)", "**met**"]
 
