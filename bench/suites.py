@@ -47,7 +47,7 @@ class BenchConfig:
     duration_s: float = 8.0
     warmup_s: float = 2.0
     concurrencies: tuple[int, ...] = (1, 10, 20, 50, 64, 100)
-    pairs: int = 3
+    pairs: int = 5  # the peer comparison: at least 5 alternating A B pairs
     torch_threads: int = 2  # both cores to the model; split evenly when several workers share them
     physical_seconds: float = 1.0
     scale_workers: tuple[int, ...] = (1, 2, 4, 8)

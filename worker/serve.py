@@ -126,8 +126,9 @@ class BatchServer:
     async def _triage_fresh(self, redis: aioredis.Redis, fresh: list[Held], batch_start_ms: int) -> None:
         """Decode and cost the entries seen for the first time; answer those that cannot be
         served (expired, undecodable, invalid, too large) at once and close them."""
-        outgoing, dead, live = await asyncio.to_thread(self._triage, [h.entry for h in fresh], batch_start_ms)
-        costs = await asyncio.to_thread(lambda: [[self._backend.item_cost(i) for i in items] for _e, items in live])
+        # Decoding and costing in one thread hop: each hop is a thread wake-up, paid once per batch.
+        outgoing, dead, live, costs = await asyncio.to_thread(self._triage_and_cost, [h.entry for h in fresh],
+                                                              batch_start_ms)
         outgoing.extend(self._refuse_too_large(live, costs))
         for (entry, items), entry_costs in zip(live, costs, strict=True):
             if self._fits_alone(entry_costs):
@@ -139,6 +140,12 @@ class BatchServer:
         if outgoing or dead:
             self._stats.errors += len(outgoing)
             await self._publish(redis, outgoing, [h.entry.entry_id for h in answered], dead)
+
+    def _triage_and_cost(self, entries: list[Entry], batch_start_ms: int) -> tuple[
+            list[Outgoing], list[DeadLetter], list[tuple[Entry, list[object]]], list[list[int]]]:
+        """`_triage`, then each live entry's item costs (backend.item_cost); runs on the thread pool."""
+        outgoing, dead, live = self._triage(entries, batch_start_ms)
+        return outgoing, dead, live, [[self._backend.item_cost(i) for i in items] for _e, items in live]
 
     async def _drop_expired(self, redis: aioredis.Redis, members: list[_Member]) -> list[_Member]:
         """Answer `deadline_exceeded` (and ack) for members whose deadline passed while earlier
