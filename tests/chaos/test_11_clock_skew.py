@@ -14,10 +14,14 @@ compared on one clock, Redis' (shared/clock.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
@@ -44,7 +48,10 @@ async def test_workers_10_s_ahead_and_behind_serve_without_504(chaos_stack: Stac
             env = service_env(chaos_stack.redis_url, **chaos_stack.settings, worker_name=f"skew-{i}")
             log = open(chaos_stack.log_dir / f"skew-{i}.log", "ab")  # noqa: SIM115 - closed below
             argv = [faketime, "-f", skew, sys.executable, "-m", "vramguard.worker"]
-            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            # faketime forks the worker and waits for it: a session of their own lets the cleanup
+            # signal both (terminating faketime alone would leave the worker running).
+            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True), log))
         async with httpx.AsyncClient(base_url=chaos_stack.url, timeout=10) as client:
 
             async def both_live() -> bool:
@@ -80,7 +87,27 @@ async def test_workers_10_s_ahead_and_behind_serve_without_504(chaos_stack: Stac
         assert readiness and all(entry == (200, 2) for entry in readiness), sorted(set(readiness))
     finally:
         for proc, log in procs:
-            proc.terminate()
+            with contextlib.suppress(ProcessLookupError):  # the whole session has already exited
+                os.killpg(proc.pid, signal.SIGTERM)
             proc.wait(timeout=20)
             log.close()
+        for proc, _log in procs:  # the workers themselves are gone too, not only faketime
+            assert not session_members(proc.pid), f"processes of session {proc.pid} still running"
     record_figures(f"[chaos] 11 clock skew {SKEWS}: readiness samples={len(readiness)}")
+
+
+def session_members(session: int, wait_s: float = 20.0) -> list[int]:
+    """Pids still in `session` after up to `wait_s` (a draining worker takes a moment to exit)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # exited while we looked
+            if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
+                members.append(int(stat.parent.name))
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
