@@ -223,7 +223,8 @@ class ProcessService:
 def litserve(log_dir: Path, *, max_batch_size: int, max_wait_ms: float, torch_threads: int) -> ProcessService:
     """LitServe serving minilm (bench/peers/litserve_server.py) from the peer venv."""
     if not PEER_PYTHON.exists():
-        raise RuntimeError(f"no peer venv at {PEER_PYTHON.parent.parent}: run `make bench-peer-venv` (make bench does)")
+        raise RuntimeError(f"no peer venv at {PEER_PYTHON.parent.parent}: `make bench` builds it "
+                           "(bench/peer-requirements.txt)")
     env = {"BENCH_MAX_BATCH_SIZE": str(max_batch_size), "BENCH_MAX_WAIT_MS": str(max_wait_ms),
            "BENCH_TORCH_THREADS": str(torch_threads)}
     return ProcessService("litserve", [str(PEER_PYTHON), "-m", "bench.peers.litserve_server"], log_dir, env=env)

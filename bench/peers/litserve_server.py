@@ -24,16 +24,17 @@ class MiniLMAPI(ls.LitAPI):
         torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "2")))
         self.backend = MiniLMBackend(ModelConfig(), "cpu")
         self.backend.load()
-        self.backend.forward(self.backend.collate(self.backend.example_inputs()))
+        self.backend.forward(self.backend.collate(self.backend.decode(self.backend.example_inputs(), {})))
 
-    def decode_request(self, request: dict) -> str:  # type: ignore[override]
-        return str(request["inputs"][0])
+    def decode_request(self, request: dict) -> list[int]:  # type: ignore[override]
+        # Tokenised here, as a vramguard worker's decode does: one text -> its token ids.
+        return self.backend.decode([str(request["inputs"][0])], {})[0]  # type: ignore[return-value]
 
-    def batch(self, inputs: list[str]) -> object:  # type: ignore[override]
+    def batch(self, inputs: list[list[int]]) -> object:  # type: ignore[override]
         return self.backend.collate(inputs)
 
     def predict(self, x: object) -> object:  # type: ignore[override]
-        if isinstance(x, str):  # max_batch_size=1: LitServe skips batch()
+        if isinstance(x, list):  # max_batch_size=1: LitServe skips batch(), x is one text's token ids
             x = self.backend.collate([x])
         return self.backend.forward(x)
 

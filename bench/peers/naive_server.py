@@ -26,14 +26,14 @@ def health() -> dict[str, str]:
 @app.post("/predict")
 def predict(body: dict[str, list[str]]) -> dict[str, object]:
     """{"inputs": [text, ...]} -> {"outputs": [float[384], ...]}, one forward per request."""
-    outputs = backend.forward(backend.collate(body["inputs"]))
+    outputs = backend.forward(backend.collate(backend.decode(list(body["inputs"]), {})))
     return {"outputs": outputs.tolist()}  # type: ignore[attr-defined]
 
 
 def main() -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_TORCH_THREADS", "2")))
     backend.load()
-    backend.forward(backend.collate(backend.example_inputs()))
+    backend.forward(backend.collate(backend.decode(backend.example_inputs(), {})))
     uvicorn.run(app, host="127.0.0.1", port=int(os.environ["BENCH_PORT"]), log_level="warning", access_log=False)
 
 
