@@ -21,9 +21,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
+import psutil
 
 from tests.chaos.load import Load, check_executions, record_figures
 from tests.ci import require_part
@@ -101,13 +101,12 @@ def session_members(session: int, wait_s: float = 20.0) -> list[int]:
     deadline = time.monotonic() + wait_s
     while True:
         members = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
+        for proc in psutil.process_iter():
             try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                if os.getsid(proc.pid) == session and proc.status() != psutil.STATUS_ZOMBIE:
+                    members.append(proc.pid)
+            except (OSError, psutil.Error):
                 continue  # exited while we looked
-            if int(fields[3]) == session and fields[0] != "Z":  # fields: state, ppid, pgrp, session
-                members.append(int(stat.parent.name))
         if not members or time.monotonic() > deadline:
             return members
         time.sleep(0.2)

@@ -84,11 +84,7 @@ async def test_metrics_from_any_gateway_are_the_hosts_totals(stack: Stack, tmp_p
     second = stack.spawn_gateway("gateway-1", shared, **settings)
     replacement: subprocess.Popen[bytes] | None = None
     try:
-        stack.start_worker(model="synthetic")
-        await stack.wait_ready()
-        assert stack.gateway is not None
-        await wait_until(lambda: listening(second.pid, stack.port), 60, interval_s=0.2)
-        await wait_until(lambda: all_ready(stack.url), 60, interval_s=0.3)
+        await serving_on_one_port(stack, second)
         # 1. CONNECTIONS requests, served by both gateways (each holds some of the connections).
         clients = await infer_on_own_connections(stack.url, CONNECTIONS)
         held = [established_on(pid, stack.port) for pid in (stack.gateway.pid, second.pid)]
@@ -106,8 +102,7 @@ async def test_metrics_from_any_gateway_are_the_hosts_totals(stack: Stack, tmp_p
         assert (folder / f"counter_{second.pid}.db").exists()
         # 4. Its replacement (what supervisor would start) serves more: the totals go on from there.
         replacement = stack.spawn_gateway("gateway-2", shared, **settings)
-        await wait_until(lambda: listening(replacement.pid, stack.port), 60, interval_s=0.2)
-        await wait_until(lambda: all_ready(stack.url), 60, interval_s=0.3)
+        await both_listening(stack, replacement)
         more = 8
         await asyncio.gather(*(c.aclose() for c in await infer_on_own_connections(stack.url, more, CONNECTIONS)))
         total = CONNECTIONS + more
@@ -125,11 +120,7 @@ async def test_two_gateways_on_one_port_both_serve(stack: Stack) -> None:
     clients = [httpx.AsyncClient(base_url=stack.url, timeout=30, limits=httpx.Limits(max_connections=1))
                for _ in range(CONNECTIONS)]
     try:
-        stack.start_worker(model="synthetic")
-        await stack.wait_ready()
-        assert stack.gateway is not None
-        await wait_until(lambda: listening(second.pid, stack.port), 60, interval_s=0.2)
-        await wait_until(lambda: all_ready(stack.url), 60, interval_s=0.3)
+        await serving_on_one_port(stack, second)
         # 1. A request on each of 32 connections: every one answered with its own input echoed.
         replies = await asyncio.gather(*(c.post("/v1/models/synthetic/infer", json={"inputs": [i]})
                                          for i, c in enumerate(clients)))
@@ -193,3 +184,17 @@ def test_make_up_gateways_2_starts_two_gateways_on_the_port(redis_server: RedisS
         no_pid = {str([("model", "synthetic")]): 0.0}
         assert [served(text) for text in asyncio.run(scrapes(url))] == [(16, 16, no_pid, 2)] * SCRAPES
         assert {p.environ().get("PROMETHEUS_MULTIPROC_DIR") for p in procs} == {str(run_dir / "metrics")}
+
+
+async def serving_on_one_port(stack: Stack, second: subprocess.Popen[bytes]) -> None:
+    """A synthetic worker started, the stack ready, and `second` listening on the stack's port."""
+    stack.start_worker(model="synthetic")
+    await stack.wait_ready()
+    assert stack.gateway is not None
+    await both_listening(stack, second)
+
+
+async def both_listening(stack: Stack, other: subprocess.Popen[bytes]) -> None:
+    """`other` listens on the stack's port and every gateway there answers ready."""
+    await wait_until(lambda: listening(other.pid, stack.port), 60, interval_s=0.2)
+    await wait_until(lambda: all_ready(stack.url), 60, interval_s=0.3)

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from tests.chaos.load import Load
@@ -27,16 +28,11 @@ WATERMARK = 0.8
 
 
 def children(parent: int) -> list[int]:
-    """Pids whose parent is `parent`, from /proc/<pid>/stat."""
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # exited while we looked
-        if int(fields[1]) == parent:
-            out.append(int(stat.parent.name))
-    return out
+    """Pids whose parent is `parent`."""
+    try:
+        return [child.pid for child in psutil.Process(parent).children()]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def worker_environments(supervisord_pid: int) -> dict[int, dict[str, str]]:
