@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     # VRAMGUARD_REDIS_PORT is the launcher's own (build_env consumes it); no process has that setting.
     groups = place(args, load_settings({k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}))
     env = build_env(args.workers_only, groups, args.gateways)
-    load_settings(env)
+    settings = load_settings(env)  # as the gateway will read them: refused here, before anything starts
     check_workers(env, groups)
     write_programs(Path(env["VG_RUN_DIR"]), groups, log_to_stdout=args.workers_only)
     if not args.workers_only:
@@ -369,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait()
         return 1
-    print(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(load_settings(env), groups[0].model, port)}\n"
+    print(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
           "Ctrl-C stops it.\n", flush=True)
     return proc.wait()
 

@@ -101,10 +101,6 @@ class Slice:
     def n_items(self) -> int:
         return self.stop - self.start
 
-    @property
-    def is_whole(self) -> bool:
-        return self.start == 0 and self.stop == self.held.entry.n_items
-
 
 def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
     """Never raises: a malformed entry comes back with `decode_error` set (it goes to the dead letter)."""
