@@ -46,6 +46,10 @@ class ModelConfig(BaseModel):
     max_inputs_per_request: inputs one request may carry; the gateway answers 413 past it, before enqueueing.
     forward_timeout_s: a forward running longer means it hung (worker/hang.py); None derives it from
         the forward time measured at warmup.
+    pad_factor: the padding a forward may carry: the entries of one read are split into several
+        forwards (cheapest first) where one forward's padded cost (items x costliest item) would
+        pass `pad_factor` x its items' real cost (worker/costing.py). A large value (1000) splits
+        only by max_batch_size and the memory budget.
     params: model-specific parameters, validated by the model implementation.
     """
 
@@ -58,6 +62,11 @@ class ModelConfig(BaseModel):
     max_inflight_batches: int = Field(1, ge=1, le=64)
     max_inputs_per_request: int = Field(256, ge=1)
     forward_timeout_s: float | None = Field(None, gt=0)
+    # 4, not 2: reads of natural sentences pad about 2x (bench/corpus.txt: 2.0x on average for 32
+    # random sentences, 2.9x at most), and splitting such a read in two forwards cost minilm's p99
+    # a third (A/B at concurrency 64 on 2 CPU cores: 650-750 ms against 496-626 ms unsplit) for no
+    # throughput. An outlier (a 256-token text among 20-token ones pads 10x) is still split off.
+    pad_factor: float = Field(4.0, ge=1.0)
     params: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -82,6 +91,7 @@ class ModelOverrides(BaseModel):
     max_inflight_batches: int | None = None
     max_inputs_per_request: int | None = None
     forward_timeout_s: float | None = None
+    pad_factor: float | None = None
     params: dict[str, float] | None = None
 
 

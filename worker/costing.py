@@ -6,19 +6,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-PAD_FACTOR = 2.0  # a group's padded cost may be at most twice its items' real cost
-
 
 def group_by_cost(
-    entry_costs: Sequence[Sequence[int]], max_batch_size: int, max_batch_cost: int | None
+    entry_costs: Sequence[Sequence[int]], max_batch_size: int, max_batch_cost: int | None, pad_factor: float
 ) -> list[list[int]]:
     """Partition entries, each given as its items' costs, into groups of entry indices.
 
     Length bucketing as fairseq's `batch_by_size` and tf.data's `bucket_by_sequence_length` do:
     entries are taken cheapest first (by their costliest item); a group closes when the next
     entry would take it past `max_batch_size` items, past `max_batch_cost` (padded cost =
-    items x costliest item; None: no limit), or past PAD_FACTOR x its real cost (the sum of item
-    costs), i.e. when padding would more than double the work. An entry is never split here
+    items x costliest item; None: no limit), or past `pad_factor` x its real cost (the sum of
+    item costs; ModelConfig.pad_factor says why its default is 4). An entry is never split here
     (its items share one reply); execute.run_batch chunks an oversized one. Fixed-size items
     (cost 1) are never separated by padding, only by the two limits.
 
@@ -35,7 +33,7 @@ def group_by_cost(
             padded = (items + len(costs)) * max(largest, top)
             if (items + len(costs) > max_batch_size
                     or (max_batch_cost is not None and padded > max_batch_cost)
-                    or padded > PAD_FACTOR * (real + total)):
+                    or padded > pad_factor * (real + total)):
                 groups.append(current)
                 current, items, largest, real = [], 0, 0, 0
         current.append(i)

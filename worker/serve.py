@@ -103,7 +103,8 @@ class BatchServer:
     async def _serve_live(self, redis: aioredis.Redis, live: list[_Member], batch_start_ms: int) -> bool:
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
         slice_costs = [parts.costs[s.start : s.stop] for s, parts in live]
-        for group in group_by_cost(slice_costs, self._config.max_batch_size, budget_cost):
+        for group in group_by_cost(slice_costs, self._config.max_batch_size, budget_cost,
+                                   pad_factor=self._config.pad_factor):
             # Earlier groups (or batches) may have outlived a deadline.
             members = await self._drop_expired(redis, [live[g] for g in group])
             if not members:

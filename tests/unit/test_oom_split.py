@@ -98,13 +98,25 @@ def test_chunks_respect_items_and_padded_cost() -> None:
     assert chunk_by_cost([], 8, 60) == []
 
 
+PAD = ModelConfig().pad_factor  # the default
+
+
 def test_group_by_cost_keeps_a_long_input_away_from_short_ones() -> None:
     entries = [[3]] * 3 + [[64]] + [[4]] * 4  # 7 short texts and 1 at the model's maximum
-    groups = group_by_cost(entries, 64, 10_000)
+    groups = group_by_cost(entries, 64, 10_000, pad_factor=PAD)
     assert groups == [[0, 1, 2, 4, 5, 6, 7], [3]]
 
 
+def test_group_by_cost_keeps_natural_lengths_in_one_forward() -> None:
+    """Lengths spread as sentences are (3 to 46 tokens, padding 2.2x) run as one forward at the
+    default; a pad factor of 2 splits them in two."""
+    entries = [[c] for c in (12, 19, 25, 3, 46, 21, 17, 30, 14, 22, 9, 28)]
+    assert group_by_cost(entries, 32, None, pad_factor=PAD) == [sorted(range(12), key=lambda i: entries[i][0])]
+    assert len(group_by_cost(entries, 32, None, pad_factor=2.0)) == 2
+
+
 def test_group_by_cost_limits() -> None:
-    assert group_by_cost([[1]] * 10, 4, None) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
-    assert group_by_cost([[10, 10], [10], [10]], 64, 30) == [[0, 1], [2]]  # padded cost 30 per group
-    assert group_by_cost([], 4, None) == []
+    assert group_by_cost([[1]] * 10, 4, None, pad_factor=PAD) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    # padded cost 30 per group
+    assert group_by_cost([[10, 10], [10], [10]], 64, 30, pad_factor=PAD) == [[0, 1], [2]]
+    assert group_by_cost([], 4, None, pad_factor=PAD) == []
