@@ -11,8 +11,9 @@ Construction: `cls(config, device, settings)`: `config` is the model's ModelConf
 device string ("cpu", "cuda"; "sim" for tests), `settings` the process's Settings. Load nothing
 heavy here: the worker calls `load` inside its memory measurement.
 
-Threads: every method except the constructor runs on the worker's thread pool (asyncio.to_thread),
-never on its event loop, one batch at a time unless ModelConfig.max_inflight_batches > 1.
+Threads: every method except the constructor runs on the worker's model threads (worker/modelthreads.py:
+one thread unless ModelConfig.max_inflight_batches > 1), never on its event loop. Run no torch
+work in the constructor: the thread that first runs it keeps an OpenMP team of its own.
 """
 
 from __future__ import annotations

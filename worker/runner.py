@@ -47,6 +47,7 @@ from vramguard.worker.ledger import PlacementError
 from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.models import BackendContractError, check_output
+from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.reclaim import Reclaimer
 from vramguard.worker.serve import BatchServer
 from vramguard.worker.watchdog import Watchdog
@@ -87,7 +88,8 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
         self.hang = HangGuard(self._hung)
-        self.watchdog = Watchdog(settings, backend, self._unhealthy, hang=self.hang)
+        self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
+        self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
         self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
@@ -130,6 +132,7 @@ class Worker:
             code = await self._run(redis, blocking)
             return self.fatal or code  # a lost device context outranks a clean drain
         finally:
+            self.threads.close()
             await blocking.aclose()
             await redis.aclose()
 
@@ -144,7 +147,7 @@ class Worker:
             await clock.start()  # deadlines and heartbeats on Redis' clock (shared/clock.py)
             self.stats.started_ms = now_ms()
             await check_eviction_policy(redis, self.settings)
-            await asyncio.to_thread(self.warm_up)
+            await self.threads.run(self.warm_up)
             await reclaimer.load_own_pending()  # a restart under a stable name: re-deliver these first
         # PlacementError and MemoryPlanError are RuntimeErrors as well, so they come before the
         # Redis branch (whose RuntimeError is an evicting Redis under eviction_check=refuse).
@@ -170,7 +173,8 @@ class Worker:
         assert budget is not None
         self._server = BatchServer(
             self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
-            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, hang=self.hang,
+            watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, threads=self.threads,
+            hang=self.hang,
         )
         self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
                                                      self.config.max_batch_size)

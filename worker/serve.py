@@ -32,6 +32,7 @@ from vramguard.worker.hang import HangGuard
 from vramguard.worker.heartbeat import WorkerStats
 from vramguard.worker.memory import MemoryBudget
 from vramguard.worker.metrics import WorkerMetrics
+from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
 from vramguard.worker.watchdog import Watchdog
 
@@ -48,7 +49,7 @@ class BatchServer:
     def __init__(
         self, settings: Settings, backend: ModelBackend, worker_id: str, *, stats: WorkerStats,
         metrics: WorkerMetrics, watchdog: Watchdog, budget: MemoryBudget | None,
-        on_context_lost: Callable[[], None], hang: HangGuard | None = None,
+        on_context_lost: Callable[[], None], threads: ModelThreads, hang: HangGuard | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -61,6 +62,7 @@ class BatchServer:
         self._watchdog = watchdog
         self.budget = budget
         self._on_context_lost = on_context_lost
+        self._threads = threads
         self._executions = ExecutionLog(settings)
         self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a hung forward
         # Set once any forward of this worker lost the device context: from then on no forward's
@@ -128,7 +130,7 @@ class BatchServer:
         """Decode and cost the entries seen for the first time; answer those that cannot be
         served (expired, undecodable, invalid, too large) at once and close them."""
         # Decoding and costing in one thread hop: each hop is a thread wake-up, paid once per batch.
-        outgoing, dead, live, costs = await asyncio.to_thread(self._triage_and_cost, [h.entry for h in fresh],
+        outgoing, dead, live, costs = await self._threads.run(self._triage_and_cost, [h.entry for h in fresh],
                                                               batch_start_ms)
         outgoing.extend(self._refuse_too_large(live, costs))
         for (entry, items), entry_costs in zip(live, costs, strict=True):
@@ -144,7 +146,7 @@ class BatchServer:
 
     def _triage_and_cost(self, entries: list[Entry], batch_start_ms: int) -> tuple[
             list[Outgoing], list[DeadLetter], list[tuple[Entry, list[object]]], list[list[int]]]:
-        """`_triage`, then each live entry's item costs (backend.item_cost); runs on the thread pool."""
+        """`_triage`, then each live entry's item costs (backend.item_cost); runs on a model thread."""
         outgoing, dead, live = self._triage(entries, batch_start_ms)
         return outgoing, dead, live, [[self._backend.item_cost(i) for i in items] for _e, items in live]
 
@@ -188,7 +190,7 @@ class BatchServer:
         started = monotonic_ms()
         try:
             with self._hang.forward("batch", request_ids):
-                results, stats = await asyncio.to_thread(
+                results, stats = await self._threads.run(
                     run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
                     costs=[c for part, parts in group for c in parts.costs[part.start : part.stop]],
                 )

@@ -12,7 +12,6 @@ Never touches Redis.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Sequence
 
@@ -22,6 +21,7 @@ from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.execute import ItemResult
 from vramguard.worker.hang import HangGuard
+from vramguard.worker.modelthreads import ModelThreads
 
 log = logging.getLogger(__name__)
 
@@ -35,9 +35,10 @@ class Watchdog:
 
     def __init__(
         self, settings: Settings, backend: ModelBackend, on_unhealthy: Callable[[str], None],
-        *, hang: HangGuard | None = None,
+        *, threads: ModelThreads, hang: HangGuard | None = None,
     ) -> None:
         self._backend = backend
+        self._threads = threads
         self._hang = hang or HangGuard(lambda *_: None)
         self._on_unhealthy = on_unhealthy
         self._interval_ms = settings.probe_interval_s * 1000
@@ -93,13 +94,13 @@ class Watchdog:
         return passed
 
     async def probe(self, context: str = "") -> bool:
-        """Run one probe forward in a thread; returns whether it passed. A failure marks the
+        """Run one probe forward on a model thread; returns whether it passed. A failure marks the
         worker unhealthy (never raises); `context` prefixes the reason."""
         self.probes += 1
         started = monotonic_ms()
         try:
             with self._hang.forward("probe"):
-                await asyncio.to_thread(self._forward)
+                await self._threads.run(self._forward)
         except UnavailableError as exc:
             # An engine the model calls is down: this worker's own machinery works (it reached the engine
             # and mapped the failure), and a restart would not bring the engine back. It stays live, so

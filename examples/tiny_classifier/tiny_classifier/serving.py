@@ -9,7 +9,7 @@ N_FEATURES, N_CLASSES = 8, 3
 
 
 class TinyClassifier:
-    """Follows vramguard.ModelBackend; every method but __init__ runs on the worker's thread pool."""
+    """Follows vramguard.ModelBackend; every method but __init__ runs on the worker's model thread."""
 
     name = "tiny"
     max_item_cost = 1  # every item is the same size: the memory planner measures per item
