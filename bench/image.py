@@ -1,7 +1,9 @@
 """The image model's row: `efficientnet` served by vramguard at concurrency 1 and 32 (one photo,
 base64 in JSON, per request) against its in-process ceiling: decode + collate + forward +
-encode of worker/models/efficientnet.py in a tight loop in one process, at the served batch
-size. Run the ceiling in its own process (`python -m bench.image`), as bench/physical.py is.
+encode of worker/models/efficientnet.py in a tight loop in one process, at batch sizes up to
+the served one; the best of them is the ceiling (a convolution net on the CPU can run fewer
+items per second at batch 16 than at batch 1). Run the ceiling in its own process
+(`python -m bench.image`), as bench/physical.py is.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 IMAGE_CONCURRENCIES = (1, 32)
 IMAGE_BATCH_SIZE = 16
+LIMIT_BATCH_SIZES = (1, 4, IMAGE_BATCH_SIZE)
 
 
 def photo_bytes() -> bytes:
@@ -52,7 +55,8 @@ def measure_limit(torch_threads: int, seconds: float, batch_size: int = IMAGE_BA
 
 
 def image(cfg: object) -> Iterator[dict[str, object]]:
-    """The in-process ceiling, then vramguard serving efficientnet at concurrency 1 and 32."""
+    """The in-process ceiling (one record per batch size), then vramguard serving efficientnet at
+    concurrency 1 and 32; '% of limit' is against the best batch size."""
     from bench.services import ROOT, VramguardService
     from bench.suites import BenchConfig, measure
 
@@ -60,8 +64,9 @@ def image(cfg: object) -> Iterator[dict[str, object]]:
     argv = [sys.executable, "-m", "bench.image", "--torch-threads", str(cfg.torch_threads),
             "--seconds", str(max(cfg.physical_seconds * 3, 1.0))]
     out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True, env=dict(os.environ))
-    limit = next(json.loads(line) for line in out.stdout.splitlines() if line.startswith("{"))
-    yield limit
+    limits = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    yield from limits
+    best = max(float(limit["items_per_s"]) for limit in limits)
     body = {"inputs": [base64.b64encode(photo_bytes()).decode()]}
     settings: dict[str, object] = {"torch_threads": cfg.torch_threads,
                                    "models__efficientnet__max_batch_size": IMAGE_BATCH_SIZE}
@@ -71,7 +76,7 @@ def image(cfg: object) -> Iterator[dict[str, object]]:
         for concurrency in IMAGE_CONCURRENCIES:
             record = measure(service, cfg, concurrency, bodies=lambda: body, suite="image",
                              config=f"efficientnet (batch {IMAGE_BATCH_SIZE}, 5 ms)")
-            record["pct_of_limit"] = round(100 * float(record["items_per_s"]) / float(limit["items_per_s"]), 1)
+            record["pct_of_limit"] = round(100 * float(record["items_per_s"]) / best, 1)
             yield record
     finally:
         service.stop()
@@ -82,7 +87,8 @@ def main() -> int:
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
-    print(json.dumps(measure_limit(args.torch_threads, args.seconds)), flush=True)
+    for batch_size in LIMIT_BATCH_SIZES:
+        print(json.dumps(measure_limit(args.torch_threads, args.seconds, batch_size)), flush=True)
     return 0
 
 
