@@ -83,18 +83,34 @@ class ScriptBatcher:
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
         self._pending: list[tuple[ScriptCall, asyncio.Future[object]]] = []
+        # The idempotent calls of the batch being collected, by (sha, keys, args): see `call`.
+        self._shared: dict[tuple[str, tuple[str, ...], tuple[EncodableT, ...]], asyncio.Future[object]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def call(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> asyncio.Future[object]:
+    def call(self, script: AsyncScript, keys: list[str], args: list[EncodableT], *,
+             idempotent: bool = False) -> asyncio.Future[object]:
+        """Queue one script call for this loop pass's round trip; the future of its result.
+        `idempotent`: running the call twice in a row does what running it once does (a check
+        that creates what is missing), so an identical call already queued in this pass (same
+        script, keys and args) is not sent again: both callers get the first one's future. Its
+        place in the order is the first caller's, before anything either caller queues after it."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[object] = loop.create_future()
         if not self._pending:
             loop.call_soon(self._flush)
+        if idempotent:
+            key = (script.sha, tuple(keys), tuple(args))
+            future = self._shared.get(key)
+            if future is None:
+                future = self._shared[key] = loop.create_future()
+                self._pending.append((ScriptCall(script, keys, args), future))
+            return future
+        future = loop.create_future()
         self._pending.append((ScriptCall(script, keys, args), future))
         return future
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
+        self._shared = {}
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -87,6 +87,7 @@ class Dispatcher:
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
+        self._loss_seen: asyncio.Future[object] | None = None  # the reply-stream check that last found it lost
         self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
@@ -204,9 +205,12 @@ class Dispatcher:
         config = self.config_for(model)
         # The reply-stream check runs first: in the data-loss case the stream exists again before
         # a worker can have read, run and answered the new entry.
+        # Idempotent: the admissions of one loop pass share one check (they share the stream).
+        check = self._scripts.call(self._ensure_reply, [self._listener.stream],
+                                   [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s],
+                                   idempotent=True)
         results = await asyncio.gather(
-            self._scripts.call(self._ensure_reply, [self._listener.stream],
-                               [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s]),
+            check,
             self._scripts.call(self._admission,
                                [self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
                                [config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
@@ -217,7 +221,8 @@ class Dispatcher:
             if isinstance(result, BaseException):
                 raise result
         status, value = cast(list[object], admitted)
-        if recreated:
+        if recreated and check is not self._loss_seen:  # once per check, not once per caller sharing it
+            self._loss_seen = check
             log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
             self._listener.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
         if status == 0:

@@ -48,6 +48,27 @@ async def test_a_flushed_script_cache_is_reloaded_and_each_call_runs_once(redis_
     assert int(await redis_client.get(key)) == 3
 
 
+async def test_identical_idempotent_calls_of_one_pass_run_once_in_the_first_callers_place(
+        redis_client: aioredis.Redis) -> None:
+    """The reply-stream check's case: several admissions of one loop pass ask for the same
+    idempotent call; it runs once, before the calls queued after its first caller, and every
+    caller gets its result. Plain calls with the same arguments still run each time, and the
+    next loop pass runs the idempotent call again."""
+    key = f"coalesce-{uuid.uuid4().hex[:8]}"
+    count = redis_client.register_script("return redis.call('INCR', KEYS[1])")
+    read = redis_client.register_script("return redis.call('GET', KEYS[1])")
+    batcher = ScriptBatcher(redis_client)
+    futures = []
+    for _ in range(5):  # as each admission queues: the shared check, then its own call
+        futures += [batcher.call(count, [key], [], idempotent=True), batcher.call(read, [key], [])]
+    results = await asyncio.gather(*futures)
+    assert results[0::2] == [1] * 5  # one INCR, its result to all five callers
+    assert results[1::2] == [b"1"] * 5  # every read ran after it
+    assert await batcher.call(count, [key], [], idempotent=True) == 2  # a new pass: runs again
+    plain = await asyncio.gather(*(batcher.call(count, [key], []) for _ in range(3)))
+    assert sorted(plain) == [3, 4, 5]
+
+
 async def test_a_failed_round_trip_reaches_every_caller() -> None:
     client = aioredis.Redis(port=free_port(), socket_connect_timeout=0.5)  # nothing listens there
     try:
