@@ -35,6 +35,7 @@ class InputKind(StrEnum):
     BYTES = "bytes"  # each input is an encoded blob (an image file): base64 text in JSON, or the raw body
 
 
+# Every model's knobs refuse inf and nan (allow_inf_nan=False): JSON cannot carry them.
 class ModelConfig(BaseModel):
     """Per-model serving knobs; defaults come from the catalogue, overrides from Settings.models.
 
@@ -53,7 +54,7 @@ class ModelConfig(BaseModel):
     params: model-specific parameters, validated by the model implementation.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)
@@ -82,7 +83,7 @@ class ModelOverrides(BaseModel):
     """The subset of ModelConfig set through the environment, e.g.
     VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE=64 or VRAMGUARD_MODELS__SYNTHETIC__PARAMS='{"item_ms": 2}'."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
@@ -107,7 +108,7 @@ class OutputSpec(BaseModel):
     str, int, float, bool, None, numpy arrays); with `keys`, a dict holding at least those keys.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     kind: Literal["tensor", "json"]
     datatype: str | None = None
@@ -136,7 +137,7 @@ class TensorSpec(BaseModel):
     dimension; the first one is the batch (one row per input of the request).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str
     datatype: str
@@ -146,7 +147,7 @@ class TensorSpec(BaseModel):
 class ParameterSpec(BaseModel):
     """One request parameter a model declares (`parameters` on every route); anything else is 422."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     type: Literal["boolean", "integer", "number", "string"]
     description: str
@@ -173,7 +174,7 @@ class ModelSpec(BaseModel):
         model with `raw_content_types`, else points at the model's description.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     name: str = Field(pattern=MODEL_NAME)
     backend: str = Field(pattern=BACKEND_PATH)

@@ -7,6 +7,7 @@ message naming it.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from collections.abc import Mapping
@@ -32,8 +33,9 @@ class Settings(BaseSettings):
     Kubernetes' terminationGracePeriodSeconds, or the worker is killed mid-drain.
     """
 
+    # No setting takes inf or nan: JSON (logs, /v1/models) cannot carry them, and none means "forever".
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True
+        env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid", frozen=True, allow_inf_nan=False
     )
 
     # --- where things are ---
@@ -283,14 +285,32 @@ class Settings(BaseSettings):
 
 
 def settings_help() -> str:
-    """Every setting as its environment variable and default, one per line, for a `--help`.
-    Per-model settings are nested with `__` (VRAMGUARD_MODELS__<MODEL>__MAX_BATCH_SIZE)."""
+    """Every setting as its environment variable and default, one per line, for a `--help`; the
+    per-model knobs as VRAMGUARD_MODELS__<MODEL>__<KNOB> with the default of a model that sets none."""
     lines = ["settings (environment variables; defaults in brackets, README 'Settings' explains each):"]
     for name, field in Settings.model_fields.items():
+        if name == "models":
+            continue  # listed knob by knob below
+        alias = field.validation_alias
+        env = alias.choices[0] if isinstance(alias, AliasChoices) else f"{ENV_PREFIX}{name.upper()}"
         default = "" if field.is_required() else field.get_default(call_default_factory=True)
-        shown = "unset" if default is None else ("{}" if default == {} else default)
-        lines.append(f"  {ENV_PREFIX}{name.upper():<40} [{shown}]")
+        lines.append(f"  {env:<48} [{_shown(default)}]")
+    lines.append("per-model knobs (<MODEL>: a served model's name; built-in models set some of their own defaults):")
+    defaults = ModelConfig()
+    for name in ModelOverrides.model_fields:
+        lines.append(f"  {ENV_PREFIX}MODELS__<MODEL>__{name.upper():<30} [{_shown(getattr(defaults, name))}]")
     return "\n".join(lines)
+
+
+def _shown(default: object) -> str:
+    """A default as it would be written in the environment: lists comma-separated, unset for None."""
+    if default is None:
+        return "unset"
+    if isinstance(default, list | tuple):
+        return ",".join(str(v) for v in default) or "empty"
+    if isinstance(default, dict):
+        return json.dumps(default) if default else "{}"
+    return str(default)
 
 
 def mask_url_password(url: str) -> str:

@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
     except SettingsError as exc:
         print(f"vramguard worker: {exc}", file=sys.stderr)
-        return 2
+        return 2  # ExitCode.INVALID_SETTINGS (runner.py imports torch: not yet)
     if settings.cuda_visible_devices and "," in settings.cuda_visible_devices:
         # One process = one model on one device: its memory share is of one GPU.
         print(f"vramguard worker: CUDA_VISIBLE_DEVICES={settings.cuda_visible_devices!r} names several GPUs; "

@@ -59,6 +59,7 @@ class ExitCode(IntEnum):
     """Process exit codes; supervisor restarts on anything but OK."""
 
     OK = 0
+    INVALID_SETTINGS = 2  # a VRAMGUARD_* value or the models file is invalid (nothing started)
     STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load, memory share refused
     FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context

@@ -296,6 +296,9 @@ class BatchServer:
         common = {"worker_id": self.worker_id, "batch_size": batch_size,
                   "queue_delay_ms": float(parts.first_batch_ms - msg.enqueued_ms)}
         if failed is not None:
+            # The item's own log line ("model raised") cannot name the request: this one does.
+            log.warning("request failed", extra={"request_id": msg.request_id, "code": failed.error_code,
+                                                 "error": failed.error_message})
             reply = ReplyMessage.failure(msg.request_id, failed.error_code or "model_error",
                                          failed.error_message or "", **common)
         else:

@@ -4,11 +4,16 @@ and the worker keeps serving."""
 from __future__ import annotations
 
 import asyncio
+import logging
+
+import pytest
 
 from tests.helpers import wait_until
 
 
-async def test_one_failing_input_fails_only_its_request(gateway, start_worker) -> None:
+async def test_one_failing_input_fails_only_its_request(gateway, start_worker,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="vramguard.worker.serve")
     handle = await start_worker(model="synthetic", fault_injection=True,
                                 models={"synthetic": {"max_wait_ms": 200, "params": {"batch_ms": 50}}})
 
@@ -24,6 +29,11 @@ async def test_one_failing_input_fails_only_its_request(gateway, start_worker) -
     assert statuses == [200] * 7 + [500], statuses
     assert responses[-1].json()["error"]["code"] == "model_error"
     assert "injected fault" in responses[-1].json()["error"]["message"]
+    # The worker's log names the failed request, so the 500 can be matched to the model's error.
+    failed_id = responses[-1].json()["error"]["request_id"]
+    logged = [r for r in caplog.records if r.getMessage() == "request failed"]
+    assert [(r.request_id, r.code) for r in logged] == [(failed_id, "model_error")]  # type: ignore[attr-defined]
+    assert "injected fault" in logged[0].error  # type: ignore[attr-defined]
     assert [r.json()["outputs"] for r in responses[:7]] == [[i] for i in range(7)]
     assert handle.worker.stats.max_batch_seen == 8  # they really shared one batch
     again = await gateway.post("/v1/models/synthetic/infer", json={"inputs": [42]})

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from vramguard.shared.settings import Settings, SettingsError, check_env_names
+from vramguard.shared.settings import Settings, SettingsError, check_env_names, settings_help
 
 
 def test_defaults_are_valid() -> None:
@@ -34,6 +38,10 @@ def test_nested_model_variable_is_accepted() -> None:
         ({"VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS": "50", "VRAMGUARD_MODELS__MINILM__DEFAULT_TIMEOUT_MS": "40"},
          "VRAMGUARD_MODELS__MINILM: .*must be below default_timeout_ms"),
         ({"VRAMGUARD_HEARTBEAT_TTL_MS": "500"}, "heartbeat_ttl_ms"),
+        ({"VRAMGUARD_MODELS__MINILM__PAD_FACTOR": "0.5"}, "PAD_FACTOR: .*greater than or equal to 1"),
+        # inf would be shown as null by /v1/models and as Infinity (not JSON) in the logs
+        ({"VRAMGUARD_MODELS__MINILM__PAD_FACTOR": "inf"}, "PAD_FACTOR: Input should be a finite number"),
+        ({"VRAMGUARD_SHUTDOWN_GRACE_S": "inf"}, "VRAMGUARD_SHUTDOWN_GRACE_S: Input should be a finite number"),
     ],
 )
 def test_invalid_values_stop_with_the_name(monkeypatch: pytest.MonkeyPatch, env: dict[str, str], named: str) -> None:
@@ -114,3 +122,27 @@ def test_http_limits_have_safe_defaults() -> None:
     assert settings.http_keep_alive_s > 60  # above common load-balancer idle timeouts (ALB, nginx: 60 s)
     assert settings.http_header_timeout_s <= 30 and settings.http_max_headers <= 200
     assert settings.http_max_header_bytes <= 64 * 1024
+
+
+def test_help_lists_every_setting_under_the_name_it_is_read_from() -> None:
+    text = settings_help()
+    assert "  CUDA_VISIBLE_DEVICES " in text and "VRAMGUARD_CUDA_VISIBLE_DEVICES" not in text  # an alias, no prefix
+    assert "  PROMETHEUS_MULTIPROC_DIR " in text
+    assert "VRAMGUARD_MODELS__<MODEL>__PAD_FACTOR" in text and "VRAMGUARD_MODELS__<MODEL>__MAX_BATCH_SIZE" in text
+    assert "VRAMGUARD_MODELS " not in text  # the nested table itself is not a variable
+    assert "[minilm]" in text and "[[" not in text  # defaults as one would write them, not Python reprs
+    for name in Settings.model_fields:
+        if name not in {"models", "prometheus_multiproc_dir", "cuda_visible_devices"}:
+            assert f"VRAMGUARD_{name.upper()} " in text, name
+
+
+@pytest.mark.parametrize("module", ["vramguard.worker", "vramguard.gateway"])
+def test_help_answers_without_starting_anything(module: str) -> None:
+    """No Redis is running: a --help that started the process would fail or hang instead."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, timeout=60,
+                          env={**env, "VRAMGUARD_REDIS_URL": "redis://127.0.0.1:1/0"}, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "VRAMGUARD_MODELS__<MODEL>__PAD_FACTOR" in done.stdout
+    if module == "vramguard.worker":
+        assert "2  INVALID_SETTINGS" in done.stdout and "8  FORWARD_HUNG" in done.stdout
