@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Route
 
 from vramguard.gateway import kserve, openai_compat
 from vramguard.gateway.dispatch import Dispatcher
@@ -29,7 +30,7 @@ from vramguard.gateway.observe import router as observe_router
 from vramguard.gateway.openapi import install_schemas
 from vramguard.gateway.queues import ensure_groups
 from vramguard.gateway.replies import ReplyListener
-from vramguard.gateway.routes import health_router, require_api_key, router
+from vramguard.gateway.routes import INFER_PATH, health_router, infer_endpoint, require_api_key, router
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import (
     DeadlineExceededError,
@@ -92,6 +93,9 @@ def create_app(settings: Settings) -> FastAPI:
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    # The native inference route first, as a plain Starlette route (routes.infer_endpoint says why);
+    # the FastAPI route of the same path, behind it, only describes it in the OpenAPI schema.
+    app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))
     app.include_router(router)
     app.include_router(openai_compat.router, dependencies=[Depends(require_api_key)])
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])

@@ -24,13 +24,14 @@ async def test_expired_entry_of_a_later_group_costs_no_forward(gateway, start_wo
     stats = handle.worker.stats
     forwards_before, expired_before = stats.forwards, stats.expired
 
-    # Three one-word texts and one of 200 words: padding them together would more than double
-    # the work, so the long one gets a group of its own, served after the short ones.
-    shorts = [gateway.post("/v1/models/synthetic/infer", json={"inputs": [f"short{i}"]}) for i in range(3)]
+    # Five one-word texts and one of 200 words: padding them together would cost 5.9 times their
+    # real cost, past the default pad_factor (4), so the long one gets a group of its own, served
+    # after the short ones.
+    shorts = [gateway.post("/v1/models/synthetic/infer", json={"inputs": [f"short{i}"]}) for i in range(5)]
     long = gateway.post("/v1/models/synthetic/infer", json={"inputs": [" ".join(["w"] * 200)], "timeout_ms": 400})
     *short_rs, long_r = await asyncio.gather(*shorts, long)
 
-    assert [r.json()["outputs"] for r in short_rs] == [["short0"], ["short1"], ["short2"]]
+    assert [r.json()["outputs"] for r in short_rs] == [[f"short{i}"] for i in range(5)]
     assert long_r.status_code == 504 and long_r.json()["error"]["code"] == "deadline_exceeded"
     await wait_until(lambda: stats.expired == expired_before + 1, 5)
     assert stats.forwards == forwards_before + 1  # the short group only
