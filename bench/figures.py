@@ -177,7 +177,7 @@ def target_rows(fig: Figures) -> list[list[object]]:
         if fig.ceiling_items_s:
             frac = peer.ours_rps / fig.ceiling_items_s
             rows.append(["throughput at c=64 >= 80% of the model's own limit",
-                         f"{100 * frac:.0f}% ({peer.ours_rps:.1f} of {fig.ceiling_items_s:.1f} items/s)",
+                         f"{100 * frac:.1f}% ({peer.ours_rps:.1f} of {fig.ceiling_items_s:.1f} items/s)",
                          _verdict(frac >= 0.8)])
         med_p99 = float(np.median(peer.p99_ratios))
         rows.append(["p99 at c=64 no worse than LitServe's",

@@ -15,7 +15,7 @@ its counts remain in the sums, so the totals never go backwards when supervisor 
 only its live gauges are dropped (`mark_process_dead`, as the library documents). `make up`
 uses this mode for a single gateway too: one code path, a restart no longer resets its counters,
 and the file writes cost about 3 us per request (5 -> 8 us for the three series, measured) against
-about 380 us of gateway CPU per request (bench/RESULTS.md, serving-cost suite). Without the setting (a gateway in its
+about 330 us of gateway CPU per request (bench/RESULTS.md, serving-cost suite). Without the setting (a gateway in its
 own container) the process keeps its own registry. Multiprocess output has no `_created` samples.
 """
 
