@@ -69,13 +69,19 @@ class ThreadReport:
 '''
 
 
-def write_model(folder: Path) -> Path:
+async def serve_thread_report(stack: Stack, folder: Path, monkeypatch: pytest.MonkeyPatch,
+                              **worker_settings: object) -> None:
+    """The backend above as model `threads` from a models file in `folder`: a gateway and one
+    worker (with `worker_settings`), ready."""
     (folder / "thread_report.py").write_text(BACKEND)
     models = folder / "models.toml"
     models.write_text('[threads]\nbackend = "thread_report:ThreadReport"\ndescription = "test"\n'
                       'input_kind = "json"\noutput = { kind = "json", keys = ["threads"] }\n'
                       'defaults = { max_batch_size = 8, max_wait_ms = 2 }\n')
-    return models
+    monkeypatch.setenv("PYTHONPATH", str(folder))  # importable by the services, as a pip install makes it
+    stack.start_gateway(served_models="threads", models_file=models)
+    stack.start_worker(model="threads", models_file=models, **worker_settings)
+    await stack.wait_ready()
 
 
 async def threads_seen(stack: Stack, requests: int) -> set[str]:
@@ -93,11 +99,7 @@ async def threads_seen(stack: Stack, requests: int) -> set[str]:
 @pytest.mark.slow
 async def test_every_backend_call_runs_on_the_one_model_thread(stack: Stack, tmp_path: Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    models = write_model(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    stack.start_gateway(served_models="threads", models_file=models)
-    stack.start_worker(model="threads", models_file=models)
-    await stack.wait_ready()
+    await serve_thread_report(stack, tmp_path, monkeypatch)
     seen = await threads_seen(stack, 24)
     methods = {pair.split("@")[0] for pair in seen}
     assert methods == {"load", "decode", "item_cost", "collate", "forward", "split", "encode"}
@@ -107,10 +109,6 @@ async def test_every_backend_call_runs_on_the_one_model_thread(stack: Stack, tmp
 @pytest.mark.slow
 async def test_two_concurrent_forwards_use_two_model_threads_at_most(stack: Stack, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    models = write_model(tmp_path)
-    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
-    stack.start_gateway(served_models="threads", models_file=models)
-    stack.start_worker(model="threads", models_file=models, models__threads__max_inflight_batches=2)
-    await stack.wait_ready()
+    await serve_thread_report(stack, tmp_path, monkeypatch, models__threads__max_inflight_batches=2)
     threads = {pair.split("@")[1] for pair in await threads_seen(stack, 48)}
     assert threads and threads <= {"model_0", "model_1"}, sorted(threads)
