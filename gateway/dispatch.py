@@ -104,8 +104,8 @@ class Dispatcher:
     def check_model(self, model: str) -> None:
         """Raise ModelNotFoundError unless this gateway serves `model`."""
         if model not in self._settings.served_models:
-            raise ModelNotFoundError(
-                f"model {model!r} is not served here; served: {', '.join(self._settings.served_models)}"
+            raise ModelNotFoundError(  # the name is the client's: echoed cut, as every echo of input is
+                f"model {model[:100]!r} is not served here; served: {', '.join(self._settings.served_models)}"
             )
 
     async def submit(

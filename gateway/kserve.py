@@ -140,7 +140,7 @@ async def infer(
 def _spec(request: Request, model: str, version: str) -> ModelSpec:
     dispatcher_of(request).check_model(model)
     if version != MODEL_VERSION:
-        raise ModelNotFoundError(f"model {model!r} has only version {MODEL_VERSION}")
+        raise ModelNotFoundError(f"model {model[:100]!r} has only version {MODEL_VERSION}")
     return settings_of(request).spec_for(model)
 
 

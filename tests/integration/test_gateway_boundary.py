@@ -116,6 +116,10 @@ async def test_every_error_of_an_inference_request_carries_its_request_id(
         ]
         ids = [error_of(response, status, code)["request_id"] for response, status, code in cases]
         assert all(isinstance(i, str) and len(i) == 32 for i in ids), ids
+        # A client's model name is echoed cut, as every echo of its input is.
+        long_name = error_of(await gateway.post(f"/v1/models/{'m' * 5000}/infer", json={"inputs": [1]}),
+                             404, "model_not_found")
+        assert len(long_name["message"]) < 300
         assert len(set(ids)) == len(ids)
         # The Dispatcher used the id the route assigned: the 503 it raised and the route's log line agree.
         logged = [getattr(r, "request_id", None) for r in caplog.records if r.getMessage() == "request done"]
