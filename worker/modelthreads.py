@@ -5,11 +5,11 @@ loop never calls the model, and nothing else runs on these threads.
 Why not asyncio's default pool (asyncio.to_thread): torch's CPU kernels run on OpenMP (libgomp),
 and each thread that starts a parallel region gets a team of OpenMP threads of its own. Once the
 teams hold more threads than the machine has cores, libgomp stops spinning between parallel
-regions (100 spins instead of 300 000: GCC's libgomp manual, "GOMP_SPINCOUNT")
-and every region of every later forward wakes its team through the kernel instead. The default
-pool hands consecutive calls to different threads, so after a few batches the worker had several
-teams. Measured on 2 cores, torch 2.13: minilm's batch-1 forward 9.2 ms when its thread is not
-the first that ran torch, 6.6 ms when it is; an element-wise op 25 us against 10 us. With one
+regions (100 spins instead of 300 000: GCC's libgomp manual, "GOMP_SPINCOUNT"), and every region
+of every later forward wakes its team through the kernel instead. The default pool hands
+consecutive calls to different threads, so after a few batches the worker had several teams.
+Measured on 2 cores, torch 2.13: minilm's batch-1 forward 9.2 ms when its thread is not the first
+that ran torch, 6.6 ms when it is; an element-wise op 25 us against 10 us. With one
 thread per concurrent forward the teams hold `max_inflight_batches` x torch threads threads.
 """
 
