@@ -30,8 +30,9 @@ def photo_bytes() -> bytes:
     return Path(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)).read_bytes()
 
 
-def measure_limit(torch_threads: int, seconds: float, batch_size: int = IMAGE_BATCH_SIZE) -> dict[str, object]:
-    """Items/s of decode + collate + forward + encode at `batch_size`, after a warm-up forward."""
+def measure_limits(torch_threads: int, seconds: float) -> Iterator[dict[str, object]]:
+    """Items/s of decode + collate + forward + encode at each of LIMIT_BATCH_SIZES, one record
+    each, after a warm-up forward at that size; the model is loaded once."""
     import torch
 
     from vramguard.shared.models import ModelConfig
@@ -40,18 +41,18 @@ def measure_limit(torch_threads: int, seconds: float, batch_size: int = IMAGE_BA
     torch.set_num_threads(torch_threads)
     backend = EfficientNetBackend(ModelConfig(), "cpu")
     backend.load()
-    blobs: list[object] = [photo_bytes()] * batch_size
-    forwards, started = 0, time.perf_counter()
-    backend.forward(backend.collate(backend.decode(blobs, {})))
-    started = time.perf_counter()
-    while time.perf_counter() - started < seconds or forwards < 3:
-        items = backend.decode(blobs, {})
-        outputs = backend.split(backend.forward(backend.collate(items)), batch_size)
-        [backend.encode(item, out) for item, out in zip(items, outputs, strict=True)]
-        forwards += 1
-    elapsed_s = time.perf_counter() - started
-    return {"suite": "image-limit", "torch_threads": torch_threads, "batch_size": batch_size, "forwards": forwards,
-            "items_per_s": round(forwards * batch_size / elapsed_s, 2)}
+    for batch_size in LIMIT_BATCH_SIZES:
+        blobs: list[object] = [photo_bytes()] * batch_size
+        backend.forward(backend.collate(backend.decode(blobs, {})))
+        forwards, started = 0, time.perf_counter()
+        while time.perf_counter() - started < seconds or forwards < 3:
+            items = backend.decode(blobs, {})
+            outputs = backend.split(backend.forward(backend.collate(items)), batch_size)
+            [backend.encode(item, out) for item, out in zip(items, outputs, strict=True)]
+            forwards += 1
+        elapsed_s = time.perf_counter() - started
+        yield {"suite": "image-limit", "torch_threads": torch_threads, "batch_size": batch_size,
+               "forwards": forwards, "items_per_s": round(forwards * batch_size / elapsed_s, 2)}
 
 
 def image(cfg: object) -> Iterator[dict[str, object]]:
@@ -87,8 +88,8 @@ def main() -> int:
     parser.add_argument("--torch-threads", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=3.0)
     args = parser.parse_args()
-    for batch_size in LIMIT_BATCH_SIZES:
-        print(json.dumps(measure_limit(args.torch_threads, args.seconds, batch_size)), flush=True)
+    for record in measure_limits(args.torch_threads, args.seconds):
+        print(json.dumps(record), flush=True)
     return 0
 
 

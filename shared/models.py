@@ -28,6 +28,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
+# Every catalogue and model-config object: unknown keys refused, immutable, and no inf or nan
+# in a float (JSON, in logs and in GET /v1/models, cannot carry them; no knob means "forever").
+STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
 
 class InputKind(StrEnum):
     TEXT = "text"  # each input is a non-empty string
@@ -35,7 +39,6 @@ class InputKind(StrEnum):
     BYTES = "bytes"  # each input is an encoded blob (an image file): base64 text in JSON, or the raw body
 
 
-# Every model's knobs refuse inf and nan (allow_inf_nan=False): JSON cannot carry them.
 class ModelConfig(BaseModel):
     """Per-model serving knobs; defaults come from the catalogue, overrides from Settings.models.
 
@@ -54,7 +57,7 @@ class ModelConfig(BaseModel):
     params: model-specific parameters, validated by the model implementation.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     max_batch_size: int = Field(32, ge=1, le=4096)
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)
@@ -83,7 +86,7 @@ class ModelOverrides(BaseModel):
     """The subset of ModelConfig set through the environment, e.g.
     VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE=64 or VRAMGUARD_MODELS__SYNTHETIC__PARAMS='{"item_ms": 2}'."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     max_batch_size: int | None = None
     max_wait_ms: float | None = None
@@ -108,7 +111,7 @@ class OutputSpec(BaseModel):
     str, int, float, bool, None, numpy arrays); with `keys`, a dict holding at least those keys.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     kind: Literal["tensor", "json"]
     datatype: str | None = None
@@ -137,7 +140,7 @@ class TensorSpec(BaseModel):
     dimension; the first one is the batch (one row per input of the request).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     name: str
     datatype: str
@@ -147,7 +150,7 @@ class TensorSpec(BaseModel):
 class ParameterSpec(BaseModel):
     """One request parameter a model declares (`parameters` on every route); anything else is 422."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     type: Literal["boolean", "integer", "number", "string"]
     description: str
@@ -174,7 +177,7 @@ class ModelSpec(BaseModel):
         model with `raw_content_types`, else points at the model's description.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = STRICT
 
     name: str = Field(pattern=MODEL_NAME)
     backend: str = Field(pattern=BACKEND_PATH)

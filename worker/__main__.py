@@ -16,12 +16,12 @@ import sys
 
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
+from vramguard.worker.models import BackendContractError
+from vramguard.worker.runner import ExitCode, Worker  # no torch import: cheap enough for --help
 
 
 def exit_codes_help() -> str:
     """The exit codes, one per line (supervisor restarts a worker on any but 0)."""
-    from vramguard.worker.runner import ExitCode  # no torch import: cheap enough for --help
-
     return "exit codes:\n" + "\n".join(f"  {code.value}  {code.name}" for code in ExitCode)
 
 
@@ -33,16 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env()
     except SettingsError as exc:
         print(f"vramguard worker: {exc}", file=sys.stderr)
-        return 2  # ExitCode.INVALID_SETTINGS (runner.py imports torch: not yet)
+        return ExitCode.INVALID_SETTINGS
     if settings.cuda_visible_devices and "," in settings.cuda_visible_devices:
         # One process = one model on one device: its memory share is of one GPU.
         print(f"vramguard worker: CUDA_VISIBLE_DEVICES={settings.cuda_visible_devices!r} names several GPUs; "
               "pin each worker to one (make up and the compose file do)", file=sys.stderr)
-        return 2
-    configure_logging(settings.log_level, "worker")
-    from vramguard.worker.models import BackendContractError
-    from vramguard.worker.runner import ExitCode, Worker  # after logging: torch and model imports log
-
+        return ExitCode.INVALID_SETTINGS
+    configure_logging(settings.log_level, "worker")  # before the model's imports, which log
     try:
         backend = build_backend(settings)
     except BackendContractError as exc:  # the user's to fix; no traceback, the message says what
