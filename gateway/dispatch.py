@@ -30,7 +30,7 @@ from vramguard.shared.errors import (
 from vramguard.shared.keys import Keys
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from vramguard.shared.redis_client import RETRY_WINDOW_S, describe_data_loss, is_out_of_memory
+from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
 from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -224,7 +224,7 @@ class Dispatcher:
         if recreated and check is not self._loss_seen:  # once per check, not once per caller sharing it
             self._loss_seen = check
             log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
-            self._listener.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
+            await self._listener.stream_lost()
         if status == 0:
             retry_s = retry_after_s(int(cast(int, value)), self._throughput[model].rate_per_s())
             raise QueueFullError(

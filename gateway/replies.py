@@ -70,13 +70,17 @@ class ReplyListener:
         """Record that `request_id`'s entry is in Redis now, in the current generation."""
         self._enqueued[request_id] = self.generation
 
-    def stream_lost(self, error: BaseException) -> None:
-        """The reply stream vanished, so Redis lost its data: fail with `error` every request
-        enqueued before now (their entries are gone; they would only time out)."""
+    async def stream_lost(self) -> None:
+        """The reply stream vanished, so Redis lost its data: fail with 503 every request enqueued
+        before now (their entries are gone; they would only time out). Which requests those are is
+        fixed before the first await: a request admitted while the loss is being described went
+        into the new stream and must not be failed with the old ones."""
+        lost = [request_id for request_id, generation in self._enqueued.items() if generation == self.generation]
         self.generation += 1
-        for request_id, generation in list(self._enqueued.items()):
+        error = UnavailableError(await describe_data_loss(self._redis))
+        for request_id in lost:
             future = self._waiters.get(request_id)
-            if generation < self.generation and future is not None and not future.done():
+            if future is not None and not future.done():
                 future.set_exception(error)
 
     def fail_all(self, error: BaseException) -> None:
@@ -120,7 +124,7 @@ class ReplyListener:
         try:
             if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
-                self.stream_lost(UnavailableError(await describe_data_loss(self._redis)))
+                await self.stream_lost()
                 await self._ensure_stream()
         except RedisError as exc:
             log.warning("reply stream keepalive failed", extra={"error": str(exc)})

@@ -36,3 +36,22 @@ async def test_requests_lost_with_redis_data_fail_fast_then_service_resumes(
     await wait_until(live, 5)  # the worker's heartbeat is back
     again = await gateway.post("/v1/models/synthetic/infer", json={"inputs": [2], "timeout_ms": 10_000})
     assert again.status_code == 200 and again.json()["outputs"] == [2]
+
+
+async def test_requests_admitted_as_the_loss_is_found_are_not_failed_with_the_lost_ones(
+    redis_client, gateway, start_worker
+) -> None:
+    """The reply stream vanishes while nothing waits; the next requests, admitted together, find it
+    missing (one shared check recreates it) and go into the new stream: every one is answered,
+    none is failed as lost, also those admitted while the loss is still being described."""
+    await start_worker()
+
+    async def live() -> bool:
+        return (await gateway.get("/v1/models/synthetic")).json()["live_workers"] == 1
+
+    await wait_until(live, 10)
+    await redis_client.delete(gateway.app.state.listener.stream)  # what a flush does to it
+    responses = await asyncio.gather(*(gateway.post("/v1/models/synthetic/infer", json={"inputs": [i]})
+                                       for i in range(8)))
+    assert [r.status_code for r in responses] == [200] * 8, [r.text for r in responses if r.status_code != 200]
+    assert [r.json()["outputs"] for r in responses] == [[i] for i in range(8)]
