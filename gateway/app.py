@@ -30,7 +30,14 @@ from vramguard.gateway.observe import router as observe_router
 from vramguard.gateway.openapi import install_schemas
 from vramguard.gateway.queues import ensure_groups
 from vramguard.gateway.replies import ReplyListener
-from vramguard.gateway.routes import INFER_PATH, health_router, infer_endpoint, require_api_key, router
+from vramguard.gateway.routes import (
+    INFER_PATH,
+    assign_request_id,
+    health_router,
+    infer_endpoint,
+    require_api_key,
+    router,
+)
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import (
     DeadlineExceededError,
@@ -97,7 +104,8 @@ def create_app(settings: Settings) -> FastAPI:
     # the FastAPI route of the same path, behind it, only describes it in the OpenAPI schema.
     app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))
     app.include_router(router)
-    app.include_router(openai_compat.router, dependencies=[Depends(require_api_key)])
+    # The request id first, so that a 401 and the errors found before the body is read carry it.
+    app.include_router(openai_compat.router, dependencies=[Depends(assign_request_id), Depends(require_api_key)])
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
     app.include_router(kserve.health_router)
     app.include_router(health_router)
@@ -123,7 +131,7 @@ async def drain_requests(app: FastAPI) -> None:
 
 
 def _request_id(request: Request) -> str | None:
-    """The id routes.py assigned to this request on arrival (inference only), else None."""
+    """The id inference.request_id_of assigned to this request on arrival (inference only), else None."""
     return getattr(request.state, "request_id", None)
 
 

@@ -30,13 +30,22 @@ def settings_of(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
 
 
+def request_id_of(request: Request) -> RequestId:
+    """The id of this inference request (32 hex digits), assigned by the first call: each inference
+    route makes that call its first step, ahead of the API key check, so that every error of the
+    request carries the id (app.py's handlers read `request.state.request_id`), a 401 and the
+    errors found before the body names the model included."""
+    request_id: RequestId | None = getattr(request.state, "request_id", None)
+    if request_id is None:
+        request_id = request.state.request_id = RequestId(uuid.uuid4().hex)
+    return request_id
+
+
 @contextmanager
 def inference_request(request: Request, model: str) -> Iterator[RequestRecord]:
-    """Assign the request id (first, so every error of the request carries it: app.py's handlers
-    read `request.state.request_id`), check the model is served, and count, time and log the
-    request under its outcome (gateway/metrics.py)."""
-    request_id = RequestId(uuid.uuid4().hex)
-    request.state.request_id = request_id
+    """Check the model is served, and count, time and log the request under its outcome and its
+    id (`request_id_of`; gateway/metrics.py)."""
+    request_id = request_id_of(request)
     dispatcher_of(request).check_model(model)
     with request.app.state.metrics.track(model) as record:
         record.request_id = request_id

@@ -124,3 +124,29 @@ async def test_every_error_of_an_inference_request_carries_its_request_id(
         # The Dispatcher used the id the route assigned: the 503 it raised and the route's log line agree.
         logged = [getattr(r, "request_id", None) for r in caplog.records if r.getMessage() == "request done"]
         assert ids[-1] in logged
+
+
+async def test_a_401_and_the_openai_errors_before_the_body_carry_a_request_id(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    """The id is assigned on arrival, ahead of the API key and of the body that names the model."""
+    settings = settings_factory(api_key="k3y-s3cret", max_body_bytes=1024)
+    key = {"X-API-Key": "k3y-s3cret"}
+    embeddings = "/v1/embeddings"
+    async with gateway_with(settings) as gateway:
+        ids = [
+            error_of(await gateway.post(INFER, json={"inputs": [1]}), 401, "unauthorized")["request_id"],
+            (await gateway.post(embeddings, json={"model": "minilm", "input": "a"})).json()["error"]["request_id"],
+        ]
+        pre_body = [
+            (await gateway.post(embeddings, content=b"a", headers={**key, "Content-Type": "text/plain"}), 415),
+            (await gateway.post(embeddings, content=b"{oops", headers={**key, **JSON_TYPE}), 400),
+            (await gateway.post(embeddings, content=b"x" * 2048, headers={**key, **JSON_TYPE}), 413),
+            (await gateway.post(embeddings, json={"model": "minilm", "input": "a"},
+                                headers={**key, "X-Request-Timeout-Ms": "soon"}), 422),
+        ]
+        for response, status in pre_body:
+            assert response.status_code == status, response.text
+            ids.append(response.json()["error"]["request_id"])
+    assert all(isinstance(i, str) and len(i) == 32 for i in ids), ids
+    assert len(set(ids)) == len(ids)

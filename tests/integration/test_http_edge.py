@@ -133,3 +133,7 @@ async def test_openapi_describes_bodies_and_errors(gateway: httpx.AsyncClient) -
         assert "requestBody" in post, path
         assert {"413", "415", "429", "503", "504"} <= set(post["responses"]), path
     assert {"InferRequest", "EmbeddingsRequest", "V2InferRequest"} <= set(schema["components"]["schemas"])
+    # v2 answers 400 to every invalid request (as Triton does): the schema must not promise a 422.
+    v2_statuses = {status for path, operations in schema["paths"].items() if path.startswith("/v2")
+                   for operation in operations.values() for status in operation["responses"]}
+    assert "400" in v2_statuses and "422" not in v2_statuses
