@@ -16,11 +16,13 @@ from typing import Annotated, Literal
 
 import numpy as np
 from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
 from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import inference_request, settings_of, submit
 from vramguard.gateway.openapi import error_responses, request_body
+from vramguard.gateway.render import FastJSONResponse
 from vramguard.shared.errors import InvalidInputError
 from vramguard.shared.models import InputKind
 
@@ -79,7 +81,7 @@ class EmbeddingsResponse(BaseModel):
              responses=error_responses((400, 401, 404, 413, 415, 422, 429, 500, 503, 504), OpenAIError))
 async def embeddings(
     request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None
-) -> EmbeddingsResponse:
+) -> Response:
     """One embedding per input, in order, as floats or base64 of little-endian float32.
     X-Request-Timeout-Ms sets the deadline, as on the native route."""
     timeout_ms = header_timeout(x_request_timeout_ms)
@@ -95,9 +97,12 @@ async def embeddings(
         inputs = _inputs(body)
         parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
         reply = await submit(request, record, inputs, parameters, timeout_ms, token_ids=not isinstance(inputs[0], str))
-    data = [Embedding(index=i, embedding=_encode(v, body.encoding_format)) for i, v in enumerate(reply.outputs or [])]
-    return EmbeddingsResponse(data=data, model=body.model, usage=Usage(prompt_tokens=reply.cost,
-                                                                       total_tokens=reply.cost))
+    # EmbeddingsResponse's shape, written from the reply's arrays directly (gateway/render.py):
+    # 0.44 against 1.06 ms per 32 x 384 reply through the pydantic model (in process, 200 requests).
+    data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
+            for i, v in enumerate(reply.outputs or [])]
+    usage = {"prompt_tokens": reply.cost, "total_tokens": reply.cost}
+    return FastJSONResponse({"object": "list", "data": data, "model": body.model, "usage": usage})
 
 
 def _parse(raw: bytes) -> EmbeddingsRequest:
@@ -121,11 +126,13 @@ def _inputs(body: EmbeddingsRequest) -> list[JsonValue]:
     return list(value)  # type: ignore[arg-type]
 
 
-def _encode(vector: object, encoding_format: str) -> list[float] | str:
+def _encode(vector: object, encoding_format: str) -> np.ndarray | str:
+    """One embedding as float32: the array itself (render.json_bytes writes each number as the
+    shortest text that reads back as the same float32) or base64 of its little-endian bytes."""
     array = np.asarray(vector, dtype="<f4")
     if encoding_format == "base64":
         return base64.b64encode(array.tobytes()).decode("ascii")
-    return array.tolist()  # type: ignore[no-any-return]
+    return array
 
 
 def error_body(status: int, code: str, message: str, request_id: str | None) -> dict[str, object]:
