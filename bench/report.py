@@ -118,8 +118,8 @@ def write_report(out_dir: Path) -> Path:
     fig = summary_figures(groups)
     plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
     parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
-             _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig), _gateways(groups, fig),
-             _fairness(groups)]
+             _latency(groups, fig), _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig),
+             _gateways(groups, fig), _fairness(groups)]
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
@@ -212,6 +212,20 @@ def _strategies(groups: dict[str, list[Record]], fig: Figures) -> str:
             "pool, no limit, no batching) and is the baseline row.\n\n" + table(SERVING_HEADERS, rows)
             + "\n\n### Overhead at concurrency 1 (p50 minus the model's own batch-1 p50)\n\n"
             + table(["configuration", "p50 ms at c=1", "model batch-1 p50 ms", "overhead ms"], overhead))
+
+
+def _latency(groups: dict[str, list[Record]], fig: Figures) -> str:
+    lat = fig.latency
+    if lat is None:
+        return ""
+    rows = serving_rows(groups.get("latency", []), fig.ceiling_items_s)
+    for row, record in zip(rows, groups.get("latency", []), strict=True):
+        row[0] = f"round {record['pair']}: {record['config']}"
+    return ("## Concurrency 1: the broker's price (alternating A B A B)\n\nvramguard (dynamic batching, batch 32, "
+            "5 ms window, one worker) and the naive in-process endpoint, both up for the whole suite, measured in "
+            "turn, so that machine drift falls on both alike.\n\n"
+            f"- p50 vramguard minus naive, min / median / max over {len(lat.deltas_ms)} rounds: "
+            f"**{spread(lat.deltas_ms)} ms**\n\n" + table(SERVING_HEADERS, rows))
 
 
 def _peer(groups: dict[str, list[Record]], fig: Figures) -> str:

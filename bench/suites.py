@@ -4,6 +4,7 @@ load point) tagged with `suite` and `config`:
     ceiling     the load client against a trivial endpoint (its own limit)
     physical    minilm's batched throughput in one process (bench/physical.py, own process)
     strategies  the seed's strategies as vramguard settings on minilm, plus the naive baseline
+    latency     concurrency 1: vramguard (dynamic batching) vs the naive endpoint, alternating
     peer        vramguard vs LitServe, same batch size and window, alternating A B A B
     scale       synthetic workers 1, 2, 4, 8, 2 simulated GPUs x 2 workers against 1 x 1 (placed as
                 `make up` places them), and the gateway's ceiling with instant workers
@@ -156,6 +157,22 @@ def strategies(cfg: BenchConfig) -> Records:
         yield from sweep(service, cfg, "strategies", config)
 
 
+def latency(cfg: BenchConfig) -> Records:
+    """The broker's price at concurrency 1: vramguard (dynamic batching, its settings for one
+    worker) and the naive in-process endpoint, both up, measured alternately for `cfg.pairs`
+    rounds. Measured apart, minutes from each other (as the strategies suite does), the two
+    medians moved by more than the 2 ms the target allows between runs of the same code."""
+    services: list[tuple[str, Service]] = [
+        ("vramguard", minilm(cfg, "latency-vramguard")),
+        ("naive", naive(cfg.log_dir, torch_threads=cfg.torch_threads)),
+    ]
+
+    def point(config: str, service: Service, round_: int) -> dict[str, object]:
+        return measure(service, cfg, 1, config=config)
+
+    yield from alternate(cfg, "latency", services, point)
+
+
 def peer(cfg: BenchConfig) -> Records:
     """vramguard (dynamic batching) and LitServe, both up, same batch size and window, measured
     alternately A B A B ... at concurrency 64, `cfg.pairs` pairs."""
@@ -275,15 +292,21 @@ def cost(cfg: BenchConfig) -> Records:
     yield from alternate(cfg, "cost", services, point)
 
 
-GATEWAY_COUNTS = (1, 2)  # 2 cores: the load client is the limit well before a third gateway could pay
+GATEWAY_COUNTS = (1, 2)  # 2 cores: the machine is full at 2 gateways, a third could only add work
 
 
 def gateways(cfg: BenchConfig) -> Records:
     """Gateway scale-out: throughput and serving CPU at concurrency 64 with 1 and 2 gateway
     processes on one port (SO_REUSEPORT), 2 instant workers each, alternating; compare with the
-    client's own ceiling (suite `ceiling`)."""
+    client's own ceiling (suite `ceiling`).
+
+    The workers run without a batch window (max_wait_ms 0): with the default 5 ms, each worker's
+    batches of about 32 (never the 64 that would close the window early) wait out the window, so
+    the workers, not the gateways, set the pace (measured: 1.2 of 2 cores busy at 1 gateway, and 2
+    gateways no faster)."""
     services: list[tuple[str, Service]] = [
-        (f"{n} gateway{'s' if n > 1 else ''}", instant(cfg, f"gateways-{n}", workers=2, gateways=n))
+        (f"{n} gateway{'s' if n > 1 else ''}",
+         instant(cfg, f"gateways-{n}", workers=2, gateways=n, models__synthetic__max_wait_ms=0))
         for n in GATEWAY_COUNTS
     ]
 
@@ -303,5 +326,5 @@ def fairness(cfg: BenchConfig) -> Records:
     yield from fairness_suite(cfg)
 
 
-SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "peer": peer, "scale": scale,
-          "image": image, "cost": cost, "gateways": gateways, "fairness": fairness}
+SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "latency": latency, "peer": peer,
+          "scale": scale, "image": image, "cost": cost, "gateways": gateways, "fairness": fairness}

@@ -60,6 +60,23 @@ def test_target_verdicts() -> None:
         "3.75x (90 vs 24 req/s)", "**met**"]
 
 
+def test_concurrency_1_target_from_alternating_rounds() -> None:
+    """With the latency suite in the run, the c=1 row is the median of per-round differences
+    (vramguard minus naive, each round measured back to back), not the strategies' two sweeps."""
+    records = run_records()
+    records["latency"] = [point("latency", config, 1, 80.0, 20.0, pair=pair, p50_ms=p50)
+                          for pair, (ours, naive) in enumerate([(12.0, 11.0), (14.5, 11.0), (11.5, 11.0)])
+                          for config, p50 in (("vramguard", ours), ("naive", naive))]
+    fig = summary_figures(records)
+    assert fig.latency is not None and fig.latency.deltas_ms == pytest.approx([1.0, 3.5, 0.5])
+    row = next(r for r in target_rows(fig) if r[0].startswith("p50 at c=1"))
+    assert row[1:] == ["+1.0 ms (min/med/max 0.50 / 1.00 / 3.50 over 3 alternating rounds; medians 12.0 vs "
+                       "11.0 ms, the model alone 14.0 ms)", "**met**"]
+    # A round missing one of the two servers (a failed start) is left out, not paired across rounds.
+    records["latency"].append(point("latency", "vramguard", 1, 80.0, 20.0, pair=3, p50_ms=30.0))
+    assert summary_figures(records).latency == fig.latency
+
+
 def cost_point(config: str, pair: int, roles: dict[str, float], rps: float = 500.0) -> dict[str, object]:
     return {"suite": "cost", "config": config, "pair": pair, "concurrency": 64, "rps": rps,
             "cpu_us_per_request": roles, "server_cpu_us_per_request": sum(roles.values()),
