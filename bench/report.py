@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 
 from bench.figures import COST_BASELINE, Figures, PeerFigures, spread, summary_figures, target_rows
 
@@ -235,9 +236,17 @@ def _peer(groups: dict[str, list[Record]], fig: Figures) -> str:
     rows = serving_rows(groups.get("peer", []), fig.ceiling_items_s)
     for row, record in zip(rows, groups.get("peer", []), strict=True):
         row[0] = f"pair {record['pair']}: {record['config']}"
+    idle: dict[str, list[float]] = defaultdict(list)
+    for r in groups.get("peer", []):
+        if r.get("idle_cpu_share") is not None:
+            idle[str(r["config"])].append(float(r["idle_cpu_share"]))  # type: ignore[arg-type]
+    idle_line = ("- idle CPU just before each point, as a share of one core (median over the pairs): "
+                 + ", ".join(f"{k} {100 * float(np.median(v)):.1f}%" for k, v in idle.items()) + "\n") if idle else ""
     return (f"## Side by side with LitServe (concurrency {peer.concurrency}, alternating A B A B)\n\nBoth servers "
-            "run the same backend code (worker/models/minilm.py) with batch 32 and a 5 ms window, both up for "
-            "the whole suite, measured alternately so that machine drift cancels.\n\n"
+            "run the same backend code (worker/models/minilm.py) with batch 32 and a 5 ms window. They are "
+            "measured alternately, so that machine drift falls on both alike, and each is started for its own "
+            "point and stopped after it, so that the idle one takes no CPU from the one measured.\n\n"
+            f"{idle_line}"
             f"- throughput ratio vramguard / LitServe, min / median / max over {len(peer.rps_ratios)} pairs: "
             f"**{spread(peer.rps_ratios)}**\n- p99 ratio vramguard / LitServe (below 1 is better): "
             f"**{spread(peer.p99_ratios)}**\n\n" + table(SERVING_HEADERS, rows))

@@ -23,14 +23,15 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from bench.corpus import load_corpus
-from bench.cost import cost_point
+from bench.cost import cost_point, cpu_by_role
 from bench.figures import COST_BASELINE, COST_OURS
 from bench.loadgen import body_cycle, run_point
 from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
@@ -173,22 +174,35 @@ def latency(cfg: BenchConfig) -> Records:
     yield from alternate(cfg, "latency", services, point)
 
 
+PEER_IDLE_S = 3.0  # seconds of idle CPU measured on each peer before its point
+
+
 def peer(cfg: BenchConfig) -> Records:
-    """vramguard (dynamic batching) and LitServe, both up, same batch size and window, measured
-    alternately A B A B ... at concurrency 64, `cfg.pairs` pairs."""
-    ours = minilm(cfg, "peer-vramguard")
-    theirs = litserve(cfg.log_dir, max_batch_size=32, max_wait_ms=5.0, torch_threads=cfg.torch_threads)
-    ours.start()
-    try:
-        theirs.start()
-        try:
-            for pair in range(cfg.pairs):
-                for config, service in (("vramguard", ours), ("litserve", theirs)):
-                    yield measure(service, cfg, PEER_CONCURRENCY, suite="peer", config=config, pair=pair)
-        finally:
-            theirs.stop()
-    finally:
-        ours.stop()
+    """vramguard (dynamic batching) and LitServe, same batch size and window, at concurrency 64,
+    alternately A B A B ... for `cfg.pairs` pairs; each is started for its own point and stopped
+    after it, so that the one not measured takes no CPU from the one measured: idle, LitServe's
+    loops kept 15% of a core busy (vramguard's heartbeats 2%), on a machine of 2 cores that the
+    model needs whole. Each point records the server's idle CPU, measured just before it."""
+    services: list[tuple[str, Service]] = [
+        ("vramguard", minilm(cfg, "peer-vramguard")),
+        ("litserve", litserve(cfg.log_dir, max_batch_size=32, max_wait_ms=5.0, torch_threads=cfg.torch_threads)),
+    ]
+    for pair in range(cfg.pairs):
+        for config, service in services:
+            service.start()
+            try:
+                idle = idle_cpu_share(service.roles(), PEER_IDLE_S)
+                yield {**measure(service, cfg, PEER_CONCURRENCY, suite="peer", config=config, pair=pair),
+                       "idle_cpu_share": idle}
+            finally:
+                service.stop()
+
+
+def idle_cpu_share(roles: Mapping[str, list[int]], seconds: float) -> float:
+    """Fraction of one core that the processes of `roles` keep busy over `seconds` with no load."""
+    before = sum(cpu_by_role(roles).values())
+    time.sleep(seconds)
+    return round((sum(cpu_by_role(roles).values()) - before) / seconds, 3)
 
 
 def synthetic(cfg: BenchConfig, name: str, workers: int, batch_ms: float, max_batch_size: int) -> VramguardService:
