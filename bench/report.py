@@ -215,13 +215,19 @@ def _strategies(groups: dict[str, list[Record]], fig: Figures) -> str:
             + table(["configuration", "p50 ms at c=1", "model batch-1 p50 ms", "overhead ms"], overhead))
 
 
+def _rows_by_round(records: list[Record], fig: Figures, word: str) -> list[list[object]]:
+    """The serving table's rows of an alternating suite, each named '<word> <round>: <config>'."""
+    rows = serving_rows(records, fig.ceiling_items_s)
+    for row, record in zip(rows, records, strict=True):
+        row[0] = f"{word} {record['pair']}: {record['config']}"
+    return rows
+
+
 def _latency(groups: dict[str, list[Record]], fig: Figures) -> str:
     lat = fig.latency
     if lat is None:
         return ""
-    rows = serving_rows(groups.get("latency", []), fig.ceiling_items_s)
-    for row, record in zip(rows, groups.get("latency", []), strict=True):
-        row[0] = f"round {record['pair']}: {record['config']}"
+    rows = _rows_by_round(groups.get("latency", []), fig, "round")
     return ("## Concurrency 1: the broker's price (alternating A B A B)\n\nvramguard (dynamic batching, batch 32, "
             "5 ms window, one worker) and the naive in-process endpoint, both up for the whole suite, measured in "
             "turn, so that machine drift falls on both alike.\n\n"
@@ -233,9 +239,7 @@ def _peer(groups: dict[str, list[Record]], fig: Figures) -> str:
     peer = fig.peer
     if peer is None:
         return ""
-    rows = serving_rows(groups.get("peer", []), fig.ceiling_items_s)
-    for row, record in zip(rows, groups.get("peer", []), strict=True):
-        row[0] = f"pair {record['pair']}: {record['config']}"
+    rows = _rows_by_round(groups.get("peer", []), fig, "pair")
     idle: dict[str, list[float]] = defaultdict(list)
     for r in groups.get("peer", []):
         if r.get("idle_cpu_share") is not None:

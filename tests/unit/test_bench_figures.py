@@ -129,3 +129,26 @@ def test_fairness_section_states_the_bound_and_its_verdict(met: bool, verdict: s
     assert f"= 100.2 ms (548 forwards measured): {verdict}" in text
     assert "| 1-input beside 4 x 256 |" in text
     assert _fairness({}) == ""
+
+
+def test_peer_section_names_pairs_and_median_idle_cpu() -> None:
+    """The peer section labels each row with its pair and states each server's median idle CPU
+    (the reason each is measured alone); the latency section labels rows by round."""
+    from bench.report import _latency, _peer
+
+    def served(suite: str, config: str, pair: int, idle: float | None) -> dict[str, object]:
+        extra = {"idle_cpu_share": idle} if idle is not None else {}
+        return point(suite, config, 64, 100.0, 500.0, pair=pair, max_ms=600.0, peak_rss_mb=700.0, requests=800,
+                     **extra)
+
+    groups = run_records()
+    groups["peer"] = [served("peer", c, pair, idle) for pair, idles in enumerate([(0.02, 0.10), (0.03, 0.14),
+                                                                                   (0.04, 0.12)])
+                      for c, idle in zip(("vramguard", "litserve"), idles, strict=True)]
+    fig = summary_figures(groups)
+    text = _peer(groups, fig)
+    assert "(median over the pairs): vramguard 3.0%, litserve 12.0%" in text
+    assert "| pair 2: litserve | 64 |" in text
+    assert _latency(groups, fig) == ""  # no latency suite in the run: no section
+    groups["latency"] = [served("latency", c, 0, None) for c in ("vramguard", "naive")]
+    assert "| round 0: naive | 64 |" in _latency(groups, summary_figures(groups))
