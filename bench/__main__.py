@@ -15,11 +15,14 @@ from pathlib import Path
 from bench import report
 from bench.corpus import load_corpus, write_corpus
 from bench.loadgen import body_cycle, run_point
+from bench.services import ROOT
 from bench.stats import summarize
 from bench.suites import SUITES, BenchConfig
 
+# A smoke run writes into a folder of its own, so that its 2 s figures never replace the committed
+# bench/RESULTS.md and the README headline (only the default folder updates those).
 QUICK = {"duration_s": 2.0, "warmup_s": 0.5, "concurrencies": (1, 64), "physical_seconds": 0.2,
-         "scale_workers": (1, 8)}
+         "scale_workers": (1, 8), "out_dir": ROOT / "bench" / "results-quick"}
 
 
 def _concurrencies(text: str) -> tuple[int, ...]:
@@ -32,15 +35,23 @@ def _concurrencies(text: str) -> tuple[int, ...]:
 def _common(parser: argparse.ArgumentParser) -> None:
     defaults = BenchConfig()
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 s points, concurrency 1 and 64, scale 1 and 8 workers")
+                        help="smoke run: 2 s points, concurrency 1 and 64, scale 1 and 8 workers, results in "
+                             "bench/results-quick/ (never the committed bench/RESULTS.md)")
     parser.add_argument("--duration-s", type=float, help=f"measured seconds per point (default {defaults.duration_s})")
     parser.add_argument("--warmup-s", type=float, help=f"unmeasured seconds before each point ({defaults.warmup_s})")
     parser.add_argument("--concurrency", type=_concurrencies,
                         help="sweep, comma-separated (default " + ",".join(map(str, defaults.concurrencies)) + ")")
-    parser.add_argument("--pairs", type=int, help=f"A B pairs in the peer comparison ({defaults.pairs})")
+    parser.add_argument("--pairs", type=int,
+                        help=f"rounds of the alternating suites: peer, latency, cost, gateways ({defaults.pairs})")
     parser.add_argument("--torch-threads", type=int, help=f"torch threads for the model ({defaults.torch_threads})")
     parser.add_argument("--out", type=Path, help=f"results folder ({defaults.out_dir})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _first_sentence(doc: str) -> str:
+    """A docstring's first sentence on one line (a suite's --help entry)."""
+    text = " ".join(doc.split("\n\n")[0].split())
+    return text.split(". ")[0].rstrip(".")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("url", help="POST target, e.g. http://127.0.0.1:8000/v1/models/minilm/infer")
     _common(load)
     for name, func in SUITES.items():
-        _common(suite := sub.add_parser(name, help=(func.__doc__ or "").splitlines()[0]))
+        _common(suite := sub.add_parser(name, help=_first_sentence(func.__doc__ or "")))
         if name == "physical":
             suite.add_argument("--seconds", type=float, help="minimum seconds per batch size")
             suite.add_argument("--in-process", action="store_true",
@@ -114,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "corpus":
         print(f"wrote {write_corpus()} sentences")
     elif args.command == "report":
-        report.write_report(args.out or BenchConfig().out_dir)
+        try:
+            report.write_report(args.out or BenchConfig().out_dir)
+        except FileNotFoundError as exc:
+            print(f"bench report: {exc}", file=sys.stderr)
+            return 2
     elif args.command == "load":
         run_load(args.url, config_from(args))
     elif args.command == "all":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -39,8 +40,11 @@ class PointRun:
     duration_s: float
     samples: list[Sample] = field(default_factory=list)
     warmup_requests: int = 0
-    completions_in_window: int = 0  # responses that arrived inside the window: the throughput numerator
-    elapsed_s: float = 0.0  # window open -> last counted response
+    # Outcomes of the requests started before the window opened: a server that stalls from the start
+    # answers nothing inside the window, and these are then the only trace of what happened.
+    warmup_outcomes: Counter[str] = field(default_factory=Counter)
+    completions_in_window: int = 0  # responses (any outcome) that arrived inside the window
+    ok_in_window: int = 0  # 200s among them: the throughput numerator
 
 
 class _Clock:
@@ -70,10 +74,12 @@ async def _client_loop(
         latency_ms = (ended - started) * 1000
         if clock.window_open <= ended <= clock.window_close:
             run.completions_in_window += 1
+            run.ok_in_window += outcome == "200"
         if started >= clock.window_open:
             run.samples.append(Sample(started - clock.window_open, latency_ms, outcome))
         else:
             run.warmup_requests += 1
+            run.warmup_outcomes[outcome] += 1
 
 
 async def _progress(clock: _Clock, run: PointRun, label: str, total_s: float, enabled: bool) -> None:
@@ -104,9 +110,12 @@ async def run_point(
     warmup_s: float,
     label: str = "",
     progress: bool = True,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
 ) -> PointRun:
     """Drive `url` with `concurrency` closed-loop clients: `warmup_s` unmeasured, then `duration_s`
-    measured. Each user has its own aiohttp session with one keep-alive connection.
+    measured. Each user has its own aiohttp session with one keep-alive connection. A request
+    not answered within `request_timeout_s` ends as a `TimeoutError` outcome (a stalled server
+    makes the point last that long past its window).
 
     Returns the PointRun; transport errors are recorded as outcomes, never raised.
     """
@@ -115,7 +124,7 @@ async def run_point(
     # (against the trivial endpoint, c=64: about 700 µs of client CPU per request, 1400 req/s;
     # aiohttp 95-105 µs, 9700-10500 req/s). One session (one connection) per closed-loop user, so
     # that no shared pool decides which user goes next.
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=min(CONNECT_TIMEOUT_S, request_timeout_s))
     run = PointRun(concurrency=concurrency, duration_s=duration_s)
     clients = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), timeout=timeout)
                for _ in range(concurrency)]
@@ -125,7 +134,6 @@ async def run_point(
         await asyncio.gather(*(_client_loop(client, url, bodies, clock, run) for client in clients))
         ticker.cancel()
         await asyncio.gather(ticker, return_exceptions=True)
-        run.elapsed_s = max(duration_s, max((s.start_s + s.latency_ms / 1000 for s in run.samples), default=0.0))
     finally:
         await asyncio.gather(*(client.close() for client in clients))
     return run

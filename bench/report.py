@@ -55,9 +55,15 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
 
 
 def load_records(out_dir: Path) -> dict[str, list[Record]]:
-    """results.jsonl grouped by suite."""
+    """results.jsonl grouped by suite. Raises FileNotFoundError naming what writes it when missing."""
+    path = out_dir / "results.jsonl"
+    if not path.is_file():
+        singles = sorted(p.name for p in out_dir.glob("*.jsonl")) if out_dir.is_dir() else []
+        found = f" (found {', '.join(singles)}: a single suite's records, which carry no run header)" if singles else ""
+        raise FileNotFoundError(f"no {path}{found}: the report is written from a whole run, which "
+                                f"`python -m bench all --out {out_dir}` records there")
     grouped: dict[str, list[Record]] = defaultdict(list)
-    for line in (out_dir / "results.jsonl").read_text().splitlines():
+    for line in path.read_text().splitlines():
         if line.strip():
             record = json.loads(line)
             grouped[str(record["suite"])].append(record)
@@ -223,14 +229,27 @@ def _rows_by_round(records: list[Record], fig: Figures, word: str) -> list[list[
     return rows
 
 
+def _idle_line(records: list[Record]) -> str:
+    """'- idle CPU ...' with each server's median idle share of one core over the rounds, or ''."""
+    idle: dict[str, list[float]] = defaultdict(list)
+    for r in records:
+        if r.get("idle_cpu_share") is not None:
+            idle[str(r["config"])].append(float(r["idle_cpu_share"]))  # type: ignore[arg-type]
+    if not idle:
+        return ""
+    return ("- idle CPU just before each point, as a share of one core (median over the rounds): "
+            + ", ".join(f"{k} {100 * float(np.median(v)):.1f}%" for k, v in idle.items()) + "\n")
+
+
 def _latency(groups: dict[str, list[Record]], fig: Figures) -> str:
     lat = fig.latency
     if lat is None:
         return ""
     rows = _rows_by_round(groups.get("latency", []), fig, "round")
     return ("## Concurrency 1: the broker's price (alternating A B A B)\n\nvramguard (dynamic batching, batch 32, "
-            "5 ms window, one worker) and the naive in-process endpoint, both up for the whole suite, measured in "
-            "turn, so that machine drift falls on both alike.\n\n"
+            "5 ms window, one worker) and the naive in-process endpoint, measured in turn, so that machine drift "
+            "falls on both alike, each started for its own point and stopped after it.\n\n"
+            f"{_idle_line(groups.get('latency', []))}"
             f"- p50 vramguard minus naive, min / median / max over {len(lat.deltas_ms)} rounds: "
             f"**{spread(lat.deltas_ms)} ms**\n\n" + table(SERVING_HEADERS, rows))
 
@@ -240,17 +259,11 @@ def _peer(groups: dict[str, list[Record]], fig: Figures) -> str:
     if peer is None:
         return ""
     rows = _rows_by_round(groups.get("peer", []), fig, "pair")
-    idle: dict[str, list[float]] = defaultdict(list)
-    for r in groups.get("peer", []):
-        if r.get("idle_cpu_share") is not None:
-            idle[str(r["config"])].append(float(r["idle_cpu_share"]))  # type: ignore[arg-type]
-    idle_line = ("- idle CPU just before each point, as a share of one core (median over the pairs): "
-                 + ", ".join(f"{k} {100 * float(np.median(v)):.1f}%" for k, v in idle.items()) + "\n") if idle else ""
     return (f"## Side by side with LitServe (concurrency {peer.concurrency}, alternating A B A B)\n\nBoth servers "
             "run the same backend code (worker/models/minilm.py) with batch 32 and a 5 ms window. They are "
             "measured alternately, so that machine drift falls on both alike, and each is started for its own "
             "point and stopped after it, so that the idle one takes no CPU from the one measured.\n\n"
-            f"{idle_line}"
+            f"{_idle_line(groups.get('peer', []))}"
             f"- throughput ratio vramguard / LitServe, min / median / max over {len(peer.rps_ratios)} pairs: "
             f"**{spread(peer.rps_ratios)}**\n- p99 ratio vramguard / LitServe (below 1 is better): "
             f"**{spread(peer.p99_ratios)}**\n\n" + table(SERVING_HEADERS, rows))

@@ -105,7 +105,9 @@ class VramguardService:
             wait_http_ok(f"{self.stack.url}/health/ready", READY_TIMEOUT_S, self.stack.gateway)
             self._wait_all_workers()
         except RuntimeError as exc:
-            raise RuntimeError(f"{self.name}: {exc}\n{self.stack.logs()}") from None
+            logs = self.stack.logs()
+            self.stop()  # nothing of a failed start is left running (callers stop only what started)
+            raise RuntimeError(f"{self.name}: {exc}\n{logs}") from None
 
     def _wait_all_workers(self) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S

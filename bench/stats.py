@@ -14,27 +14,32 @@ COUNTER_FIELDS = ("batches", "items", "requests", "queue_delay_ms_sum")
 
 def summarize(run: PointRun, items_per_request: int = 1) -> dict[str, object]:
     """Requests, errors by outcome, req/s and items/s, latency p50/p95/p99/max (ms, all sampled
-    requests, failures included) for one PointRun.
+    requests, failures included) for one PointRun; the percentiles are None when no request was
+    sampled (JSON has no NaN). `warmup_errors`: the non-200 outcomes of the warm-up's requests.
 
-    Throughput counts successful responses that arrived inside the window, divided by its length.
+    Throughput counts the 200 responses that arrived inside the window, divided by its length.
     """
     outcomes = Counter(s.outcome for s in run.samples)
-    ok_ratio = outcomes.get("200", 0) / len(run.samples) if run.samples else 0.0
-    rps = run.completions_in_window * ok_ratio / run.duration_s
+    rps = run.ok_in_window / run.duration_s
     latencies = np.array([s.latency_ms for s in run.samples], dtype=float)
-    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if latencies.size else (np.nan,) * 3
+
+    def ms(value: float) -> float | None:
+        return round(float(value), 2) if latencies.size else None
+
+    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if latencies.size else (0.0,) * 3
     return {
         "concurrency": run.concurrency,
         "duration_s": run.duration_s,
         "requests": len(run.samples),
         "ok": outcomes.get("200", 0),
         "errors": {k: v for k, v in sorted(outcomes.items()) if k != "200"},
+        "warmup_errors": {k: v for k, v in sorted(run.warmup_outcomes.items()) if k != "200"},
         "rps": round(rps, 2),
         "items_per_s": round(rps * items_per_request, 2),
-        "p50_ms": round(float(p50), 2),
-        "p95_ms": round(float(p95), 2),
-        "p99_ms": round(float(p99), 2),
-        "max_ms": round(float(latencies.max()), 2) if latencies.size else float("nan"),
+        "p50_ms": ms(p50),
+        "p95_ms": ms(p95),
+        "p99_ms": ms(p99),
+        "max_ms": ms(latencies.max() if latencies.size else 0.0),
     }
 
 

@@ -4,8 +4,8 @@ load point) tagged with `suite` and `config`:
     ceiling     the load client against a trivial endpoint (its own limit)
     physical    minilm's batched throughput in one process (bench/physical.py, own process)
     strategies  the seed's strategies as vramguard settings on minilm, plus the naive baseline
-    latency     concurrency 1: vramguard (dynamic batching) vs the naive endpoint, alternating
-    peer        vramguard vs LitServe, same batch size and window, alternating A B A B
+    latency     concurrency 1: vramguard (dynamic batching) vs the naive endpoint, each alone, alternating
+    peer        vramguard vs LitServe, same batch size and window, each alone, alternating A B A B
     scale       synthetic workers 1, 2, 4, 8, 2 simulated GPUs x 2 workers against 1 x 1 (placed as
                 `make up` places them), and the gateway's ceiling with instant workers
     image       efficientnet at concurrency 1 and 32 against its in-process ceiling (bench/image.py)
@@ -160,39 +160,41 @@ def strategies(cfg: BenchConfig) -> Records:
 
 def latency(cfg: BenchConfig) -> Records:
     """The broker's price at concurrency 1: vramguard (dynamic batching, its settings for one
-    worker) and the naive in-process endpoint, both up, measured alternately for `cfg.pairs`
-    rounds. Measured apart, minutes from each other (as the strategies suite does), the two
-    medians moved by more than the 2 ms the target allows between runs of the same code."""
+    worker) and the naive in-process endpoint, each alone, alternately for `cfg.pairs` rounds.
+    Measured minutes apart (as the strategies suite does), the two medians moved by more than the
+    2 ms the target allows between runs of the same code."""
     services: list[tuple[str, Service]] = [
         ("vramguard", minilm(cfg, "latency-vramguard")),
         ("naive", naive(cfg.log_dir, torch_threads=cfg.torch_threads)),
     ]
-
-    def point(config: str, service: Service, round_: int) -> dict[str, object]:
-        return measure(service, cfg, 1, config=config)
-
-    yield from alternate(cfg, "latency", services, point)
-
-
-PEER_IDLE_S = 3.0  # seconds of idle CPU measured on each peer before its point
+    yield from one_at_a_time(cfg, "latency", services, 1)
 
 
 def peer(cfg: BenchConfig) -> Records:
-    """vramguard (dynamic batching) and LitServe, same batch size and window, at concurrency 64,
-    alternately A B A B ... for `cfg.pairs` pairs; each is started for its own point and stopped
-    after it, so that the one not measured takes no CPU from the one measured: idle, LitServe's
-    loops kept 15% of a core busy (vramguard's heartbeats 2%), on a machine of 2 cores that the
-    model needs whole. Each point records the server's idle CPU, measured just before it."""
+    """vramguard (dynamic batching) and LitServe with the same batch size and window, at
+    concurrency 64, each alone, alternately for `cfg.pairs` pairs."""
     services: list[tuple[str, Service]] = [
         ("vramguard", minilm(cfg, "peer-vramguard")),
         ("litserve", litserve(cfg.log_dir, max_batch_size=32, max_wait_ms=5.0, torch_threads=cfg.torch_threads)),
     ]
-    for pair in range(cfg.pairs):
+    yield from one_at_a_time(cfg, "peer", services, PEER_CONCURRENCY)
+
+
+IDLE_S = 3.0  # seconds of idle CPU measured on each server before its point
+
+
+def one_at_a_time(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]], concurrency: int) -> Records:
+    """Measure `services` in turn (A B A B ...) for `cfg.pairs` rounds, each started for its own
+    point and stopped after it, so that the one not measured takes no CPU from the one measured:
+    idle, LitServe's loops kept 14.6% of a core busy and vramguard's heartbeats 2.4% (10 s with
+    both up), on a machine of 2 cores that the model needs whole. Each record carries the
+    server's idle CPU (`idle_cpu_share`, of one core) measured just before its warm-up."""
+    for round_ in range(cfg.pairs):
         for config, service in services:
             service.start()
             try:
-                idle = idle_cpu_share(service.roles(), PEER_IDLE_S)
-                yield {**measure(service, cfg, PEER_CONCURRENCY, suite="peer", config=config, pair=pair),
+                idle = idle_cpu_share(service.roles(), IDLE_S)
+                yield {**measure(service, cfg, concurrency, suite=suite, config=config, pair=round_),
                        "idle_cpu_share": idle}
             finally:
                 service.stop()

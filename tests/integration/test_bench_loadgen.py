@@ -3,6 +3,9 @@ up, and agree with what the worker says it served."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import httpx
 
 from bench.corpus import load_corpus
@@ -45,9 +48,32 @@ async def test_load_generator_counts_add_up(stack: Stack) -> None:
     assert stats["ok"] == stats["requests"] and stats["errors"] == {}
     assert BATCH_MS <= stats["p50_ms"] <= stats["p95_ms"] <= stats["p99_ms"] <= stats["max_ms"]
     assert all(0 <= s.start_s < run.duration_s for s in run.samples)
-    assert 0 < run.completions_in_window <= sent
-    assert stats["rps"] == round(run.completions_in_window / run.duration_s, 2)
+    assert 0 < run.ok_in_window == run.completions_in_window <= sent
+    assert stats["rps"] == round(run.ok_in_window / run.duration_s, 2)
+    assert stats["warmup_errors"] == {} and sum(run.warmup_outcomes.values()) == run.warmup_requests
     assert after["requests"] - before["requests"] == sent
     view = worker_view(before, after)
     assert view["batches"] > 0 and 1.0 <= view["mean_batch"] <= 8.0  # type: ignore[operator]
     assert view["queue_delay_ms"] is not None and view["queue_delay_ms"] >= 0  # type: ignore[operator]
+
+
+async def test_a_server_that_never_answers_is_reported_not_hidden() -> None:
+    """1. A TCP server accepts connections and reads, but never answers.
+    2. Two clients start their requests in a 0.3 s warm-up; each times out after 1 s, after the
+       0.3 s window has closed, so no request is sampled.
+    Result: the point reports 0 requests and 0 req/s, no percentiles (None: JSON has no NaN), and
+    the warm-up's timeouts as `warmup_errors`: the stall is visible, not "no errors"."""
+    async def swallow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up and closes
+        writer.close()
+
+    server = await asyncio.start_server(swallow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    async with server:
+        run = await run_point(f"http://127.0.0.1:{port}/x", lambda: {"inputs": ["a"]}, concurrency=2,
+                              duration_s=0.3, warmup_s=0.3, progress=False, request_timeout_s=1.0)
+    stats = summarize(run)
+    assert stats["requests"] == 0 and stats["rps"] == 0.0 and stats["p50_ms"] is None
+    errors = stats["warmup_errors"]
+    assert isinstance(errors, dict) and sum(errors.values()) == 2 and all("Timeout" in k for k in errors)
+    json.dumps(stats, allow_nan=False)  # valid JSON for the results file

@@ -147,7 +147,7 @@ def test_peer_section_names_pairs_and_median_idle_cpu() -> None:
                       for c, idle in zip(("vramguard", "litserve"), idles, strict=True)]
     fig = summary_figures(groups)
     text = _peer(groups, fig)
-    assert "(median over the pairs): vramguard 3.0%, litserve 12.0%" in text
+    assert "(median over the rounds): vramguard 3.0%, litserve 12.0%" in text
     assert "| pair 2: litserve | 64 |" in text
     assert _latency(groups, fig) == ""  # no latency suite in the run: no section
     groups["latency"] = [served("latency", c, 0, None) for c in ("vramguard", "naive")]
