@@ -22,7 +22,7 @@ from bench.suites import SUITES, BenchConfig
 # A smoke run writes into a folder of its own, so that its 2 s figures never replace the committed
 # bench/RESULTS.md and the README headline (only the default folder updates those).
 QUICK = {"duration_s": 2.0, "warmup_s": 0.5, "concurrencies": (1, 64), "physical_seconds": 0.2,
-         "scale_workers": (1, 8), "out_dir": ROOT / "bench" / "results-quick"}
+         "scale_workers": (1, 8), "pairs": 2, "out_dir": ROOT / "bench" / "results-quick"}
 
 
 def _concurrencies(text: str) -> tuple[int, ...]:
@@ -35,8 +35,8 @@ def _concurrencies(text: str) -> tuple[int, ...]:
 def _common(parser: argparse.ArgumentParser) -> None:
     defaults = BenchConfig()
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: 2 s points, concurrency 1 and 64, scale 1 and 8 workers, results in "
-                             "bench/results-quick/ (never the committed bench/RESULTS.md)")
+                        help="smoke run: 2 s points, concurrency 1 and 64, scale 1 and 8 workers, 2 rounds of "
+                             "each alternating suite, results in bench/results-quick/ (never bench/RESULTS.md)")
     parser.add_argument("--duration-s", type=float, help=f"measured seconds per point (default {defaults.duration_s})")
     parser.add_argument("--warmup-s", type=float, help=f"unmeasured seconds before each point ({defaults.warmup_s})")
     parser.add_argument("--concurrency", type=_concurrencies,
