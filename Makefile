@@ -25,7 +25,7 @@ help:
 	@echo "        [PLACEMENT=deploy/placement.example.toml]  start Redis, gateway and workers (foreground)"
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
-	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~22 min on 2 cores)"
+	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~24 min on 2 cores)"
 	@echo "make lint                                      ruff and mypy --strict"
 
 $(BIN)/python:
