@@ -1,6 +1,6 @@
 """The headline figures computed from the records of one run: the physical limit, the client's
-ceiling, the A/B ratios against LitServe, scale, overhead at concurrency 1, and the issue's
-targets checked against them (all as ratios within the same run)."""
+ceiling, the A/B ratios against LitServe, scale, overhead at concurrency 1, and the
+performance targets (stated in target_rows) checked against them (all as ratios within the same run)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def _verdict(ok: bool | None) -> str:
 
 
 def target_rows(fig: Figures) -> list[list[object]]:
-    """[target, measured, verdict] rows for the issue's targets."""
+    """[target, measured, verdict] rows, one per performance target this benchmark checks."""
     rows: list[list[object]] = []
     peer = fig.peer
     if peer is not None:

@@ -38,7 +38,7 @@ from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_byt
 from bench.stats import summarize, worker_view
 from deploy.placement import ModelPlacement, plan, simulated_gpus
 
-PEER_CONCURRENCY = 64  # the targets are stated at concurrency 64
+PEER_CONCURRENCY = 64  # the load at which the peer, cost and scale targets are stated
 Records = Iterator[dict[str, object]]
 
 

@@ -43,8 +43,9 @@ class ReplyListener:
         self._keepalive = Periodic("reply-keepalive", self._keep_alive, settings.heartbeat_interval_ms / 1000)
         self._stopping = False
         self.replies_dropped = 0
-        # Issue 4: bumped each time the reply stream is found missing (Redis restarted empty or
-        # flushed); requests enqueued in an older generation were lost with it and fail at once.
+        # Bumped each time the reply stream is found missing (Redis restarted empty or flushed):
+        # requests enqueued in an older generation were lost with it and fail at once, instead of
+        # waiting out their deadline for a reply that can no longer come.
         self.generation = 0
         self._enqueued: dict[RequestId, int] = {}
 

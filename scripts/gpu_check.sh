@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3's check on a machine with a CUDA GPU (under 8 minutes). Needs a Python with the CUDA
+# The memory budget's check on a machine with a CUDA GPU (under 8 minutes). Needs a Python with the CUDA
 # torch, the project's dependencies (pip install -e ".[worker,redis]") and torchvision.
 #   1. worker.profile on minilm (cuda), then ResNet-50 fp16 (random weights): the three numbers
 #      (baseline, weights, per-item/per-token peak) and the derived limits;

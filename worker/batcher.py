@@ -15,8 +15,8 @@ Items are what is batched: an entry whose request carries 3 inputs counts 3 towa
 
 The window is a shrinking deadline on the monotonic clock, `max_wait_ms` from the first entry,
 with one loop for every window length (0 included). It opens only when the previous batch held
-more than one item: at low load nothing else is queued and waiting would only add latency (the
-concurrency-1 latency target), while under load the previous batch was full and the window
+more than one item: at low load nothing else is queued and waiting would only add latency (a
+request alone would pay the whole window), while under load the previous batch was full and the window
 helps fill the next one. While the worker holds work carried over from earlier reads, it still
 reads the stream between forwards, without blocking, so that newly arrived requests are seen.
 """

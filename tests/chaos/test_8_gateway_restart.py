@@ -1,4 +1,4 @@
-"""Gateway restart (the issue's "Gateway restart" behaviour).
+"""Gateway restart: a gateway killed while its request is in a forward, and a new one started.
 
 1. A gateway and one worker with 1.5 s forwards; reply streams live 5 s without keepalive.
 2. A request is in a forward when the gateway gets SIGKILL; a new gateway starts on the port.

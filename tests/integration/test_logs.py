@@ -1,5 +1,6 @@
-"""Structured logs from real processes: one JSON line per event on stderr, with the fields the
-issue names; uvicorn's access log only when the setting turns it on; secrets masked."""
+"""Structured logs from real processes: one JSON line per event on stderr, with the fields a log
+search needs (request_id, model, batch_size, queue_delay_ms, duration_ms); uvicorn's access log
+only when the setting turns it on; secrets masked."""
 
 from __future__ import annotations
 
