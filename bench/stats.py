@@ -22,11 +22,9 @@ def summarize(run: PointRun, items_per_request: int = 1) -> dict[str, object]:
     outcomes = Counter(s.outcome for s in run.samples)
     rps = run.ok_in_window / run.duration_s
     latencies = np.array([s.latency_ms for s in run.samples], dtype=float)
-
-    def ms(value: float) -> float | None:
-        return round(float(value), 2) if latencies.size else None
-
-    p50, p95, p99 = np.percentile(latencies, [50, 95, 99]) if latencies.size else (0.0,) * 3
+    p50 = p95 = p99 = max_ms = None
+    if latencies.size:
+        p50, p95, p99, max_ms = (round(float(v), 2) for v in (*np.percentile(latencies, [50, 95, 99]), latencies.max()))
     return {
         "concurrency": run.concurrency,
         "duration_s": run.duration_s,
@@ -36,10 +34,10 @@ def summarize(run: PointRun, items_per_request: int = 1) -> dict[str, object]:
         "warmup_errors": {k: v for k, v in sorted(run.warmup_outcomes.items()) if k != "200"},
         "rps": round(rps, 2),
         "items_per_s": round(rps * items_per_request, 2),
-        "p50_ms": ms(p50),
-        "p95_ms": ms(p95),
-        "p99_ms": ms(p99),
-        "max_ms": ms(latencies.max() if latencies.size else 0.0),
+        "p50_ms": p50,
+        "p95_ms": p95,
+        "p99_ms": p99,
+        "max_ms": max_ms,
     }
 
 
