@@ -2,8 +2,16 @@
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
-# The CPU wheel for local use and CI; the worker image (deploy/Dockerfile.worker) brings CUDA.
+# torch: the CUDA build from PyPI where nvidia-smi lists a GPU; else the CPU build from PyTorch's
+# CPU index (PyPI's Linux torch is the CUDA build: about 18 NVIDIA packages, several GB). A local
+# wheel directory in pip's configuration (find-links, as on CI) serves torch==2.13.0+cpu offline;
+# TORCH_INDEX= skips the index. The worker image (deploy/Dockerfile.worker) brings CUDA.
 TORCH_VERSION ?= 2.13.0
+HAS_GPU := $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo yes)
+TORCH ?= $(if $(HAS_GPU),torch==$(TORCH_VERSION),torch==$(TORCH_VERSION)+cpu)
+TORCH_INDEX ?= $(if $(HAS_GPU),,https://download.pytorch.org/whl/cpu)
+PORT ?= $(or $(VRAMGUARD_PORT),8000)
+RUN_DIR ?= .run/$(PORT)
 MODEL ?= minilm
 WORKERS ?= 1
 WORKERS_PER_GPU ?= $(WORKERS)
@@ -18,11 +26,13 @@ PEER_VENV := bench/.venv-peer
 TRITON_VENV := tests/.venv-triton
 TRITON_PYTHON ?= /usr/bin/python3.11
 
-.PHONY: up test test-fast lint bench clean help
+.PHONY: up down status test test-fast lint bench clean help
 
 help:
 	@echo "make up [MODEL=minilm|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
-	@echo "        [PLACEMENT=deploy/placement.example.toml]  start Redis, gateway and workers (foreground)"
+	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000]  start Redis, gateway and workers (foreground;"
+	@echo "                                               logs in .run/PORT/): vramguard up"
+	@echo "make down [PORT=8000] / make status            stop / show the stack of .run/PORT/ (vramguard down/status)"
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
 	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~24 min on 2 cores)"
@@ -32,16 +42,24 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# The stack's own packages only; `make test` adds the test extra (.test-installed).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
+	$(BIN)/pip install --quiet -e ".[worker,redis]"
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml | $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[worker,redis,test]"
 	touch $@
 
 up: $(VENV)/.installed
-	$(BIN)/python deploy/up.py --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) --gateways $(GATEWAYS) \
-		$(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
+	$(BIN)/vramguard up --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) --gateways $(GATEWAYS) \
+		--port $(PORT) --run-dir $(RUN_DIR) $(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
 
-test: $(VENV)/.installed $(TRITON_VENV)/.installed
+down status: $(VENV)/.installed
+	$(BIN)/vramguard $@ --run-dir $(RUN_DIR)
+
+test: $(VENV)/.test-installed $(TRITON_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # Best effort: without it the Triton test is skipped, saying why.
@@ -49,24 +67,24 @@ $(TRITON_VENV)/.installed:
 	($(TRITON_PYTHON) -m venv $(TRITON_VENV) && $(TRITON_VENV)/bin/pip install --quiet nvidia-pytriton==0.7.0 \
 		&& touch $@) || echo "warning: no PyTriton venv ($(TRITON_VENV)); the Triton engine test will be skipped" >&2
 
-test-fast: $(VENV)/.installed
+test-fast: $(VENV)/.test-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
 # The bench extra goes into .venv; LitServe gets a venv of its own (bench/peer-requirements.txt).
-$(VENV)/.bench-installed: pyproject.toml | $(VENV)/.installed
+$(VENV)/.bench-installed: pyproject.toml | $(VENV)/.test-installed
 	$(BIN)/pip install --quiet -e ".[worker,redis,test,bench]"
 	touch $@
 
 $(PEER_VENV)/.installed: bench/peer-requirements.txt
 	$(PYTHON) -m venv $(PEER_VENV)
-	$(PEER_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION)
+	$(PEER_VENV)/bin/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PEER_VENV)/bin/pip install --quiet -r bench/peer-requirements.txt
 	touch $@
 
 bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench all $(BENCH_ARGS)
 
-lint: $(VENV)/.installed
+lint: $(VENV)/.test-installed
 	$(BIN)/pip install --quiet ruff mypy
 	$(BIN)/ruff check shared gateway worker tests deploy bench vramguard examples
 	$(BIN)/mypy

@@ -17,9 +17,9 @@ import httpx
 import psutil
 
 from bench.stats import device_memory_mib, sum_counters
-from deploy.placement import WorkerGroup
-from deploy.programs import worker_environment
 from tests.helpers import ROOT, RedisServer, Stack, free_port
+from vramguard.cli.placement import WorkerGroup
+from vramguard.cli.programs import worker_environment
 
 READY_TIMEOUT_S = 240.0  # torch import + weights on 2 busy cores
 PEER_PYTHON = ROOT / "bench" / ".venv-peer" / "bin" / "python"

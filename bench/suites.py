@@ -36,7 +36,7 @@ from bench.figures import COST_BASELINE, COST_OURS
 from bench.loadgen import body_cycle, run_point
 from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
 from bench.stats import summarize, worker_view
-from deploy.placement import ModelPlacement, plan, simulated_gpus
+from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
 
 PEER_CONCURRENCY = 64  # the load at which the peer, cost and scale targets are stated
 Records = Iterator[dict[str, object]]

@@ -26,7 +26,8 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+import numpy
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
 
 # Every catalogue and model-config object: unknown keys refused, immutable, and no inf or nan
 # in a float (JSON, in logs and in GET /v1/models, cannot carry them; no knob means "forever").
@@ -119,10 +120,21 @@ class OutputSpec(BaseModel):
     keys: tuple[str, ...] = ()
     description: str = ""
 
+    @field_validator("datatype")
+    @classmethod
+    def _numpy_dtype(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                numpy.dtype(value)
+            except TypeError:
+                raise ValueError(f"{value!r} is not a numpy dtype name (float32, int64, ...)") from None
+        return value
+
     @model_validator(mode="after")
     def _tensor_has_type(self) -> OutputSpec:
         if self.kind == "tensor" and (self.datatype is None or self.shape is None):
             raise ValueError("a tensor output declares datatype and shape")
+
         if self.shape is not None and any(d < -1 or d == 0 for d in self.shape):
             raise ValueError("shape entries are positive sizes or -1 (any size)")
         return self

@@ -20,6 +20,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelSpec, load_models_file
 
 ENV_PREFIX = "VRAMGUARD_"
+REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 
 
 class SettingsError(ValueError):
@@ -163,6 +164,25 @@ class Settings(BaseSettings):
     def _split_names(cls, value: object) -> object:
         if isinstance(value, str):
             return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("models_file")
+    @classmethod
+    def _models_file_valid(cls, value: str | None) -> str | None:
+        # Read here too, so that an error in the file is reported under this variable's name.
+        if value is not None:
+            load_models_file(value)
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, value: str) -> str:
+        # redis-py's from_url takes these three schemes only and raises deep inside a child
+        # process otherwise; "localhost:6379" would even parse as scheme "localhost".
+        scheme = urlsplit(value).scheme
+        if scheme not in REDIS_SCHEMES:
+            raise ValueError(f"{value!r} needs a scheme: {', '.join(s + '://' for s in REDIS_SCHEMES)} "
+                             "(redis://localhost:6379/0)")
         return value
 
     @model_validator(mode="after")

@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from deploy.placement import WorkerGroup
-from deploy.programs import SHIPPED_CONF, write_programs
+from vramguard.cli.placement import WorkerGroup
+from vramguard.cli.programs import SHIPPED_CONF, write_programs
 from vramguard.shared.redis_client import find_redis_server
 from vramguard.shared.settings import Settings
 

