@@ -102,4 +102,4 @@ def _metrics(request: Request) -> GatewayMetrics:
 
 @cache
 def _page() -> str:
-    return resources.files("gateway").joinpath("status.html").read_text(encoding="utf-8")
+    return resources.files("vramguard.gateway").joinpath("status.html").read_text(encoding="utf-8")

@@ -12,6 +12,7 @@ sent with the client's `extra_body`). Errors use OpenAI's shape with our `code` 
 from __future__ import annotations
 
 import base64
+import re
 from typing import Annotated, Literal
 
 import numpy as np
@@ -23,7 +24,7 @@ from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body
 from vramguard.gateway.inference import inference_request, settings_of, submit
 from vramguard.gateway.openapi import error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
-from vramguard.shared.errors import InvalidInputError
+from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError, VramguardError
 from vramguard.shared.models import InputKind
 
 PATH = "/v1/embeddings"
@@ -96,7 +97,11 @@ async def embeddings(
             raise BadBodyError(f"dimensions: model {body.model!r} returns {width} dimensions and cannot shorten them")
         inputs = _inputs(body)
         parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
-        reply = await submit(request, record, inputs, parameters, timeout_ms, token_ids=not isinstance(inputs[0], str))
+        try:
+            reply = await submit(request, record, inputs, parameters, timeout_ms,
+                                 token_ids=not isinstance(inputs[0], str))
+        except (InvalidInputError, PayloadTooLargeError) as exc:
+            raise in_openai_terms(exc, one_input=isinstance(body.input, str) or _is_token_list(body.input)) from exc
     # EmbeddingsResponse's shape, written from the reply's arrays directly (gateway/render.py):
     # 0.44 against 1.06 ms per 32 x 384 reply through the pydantic model (in process, 200 requests).
     data = [{"object": "embedding", "index": i, "embedding": _encode(v, body.encoding_format)}
@@ -114,6 +119,31 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
             raise BadBodyError(f"body is not valid JSON: {first['msg']}") from exc
         where = ".".join(str(p) for p in first["loc"][:1]) or "body"
         raise InvalidInputError(f"{where}: {first['msg']}") from exc
+
+
+# The native request's terms in the messages of the shared checks and the worker, and what an
+# OpenAI request calls the same thing: its inputs are `input` and its switch a top-level `truncate`.
+_OPENAI_TERMS = (
+    (re.compile(r"\bparameters\.truncate=true\b"), '"truncate": true in the body'),
+    (re.compile(r"\bopt into truncation\b"), 'set "truncate": true in the body'),
+    (re.compile(r"\binputs\b"), "input"),
+)
+
+
+def in_openai_terms(exc: VramguardError, *, one_input: bool) -> VramguardError:
+    """`exc` again (same class, code and status) with its message in the OpenAI request's terms:
+    `input[i]` (`input` when the body's input is one string or one token list) for `inputs[i]`, and
+    the body's `truncate` for `parameters.truncate`."""
+    message = exc.message
+    for pattern, replacement in _OPENAI_TERMS:
+        message = pattern.sub(replacement, message)
+    if one_input:
+        message = message.replace("input[0]", "input")
+    return type(exc)(message, request_id=exc.request_id, detail=exc.detail)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and isinstance(value[0], int)
 
 
 def _inputs(body: EmbeddingsRequest) -> list[JsonValue]:

@@ -137,6 +137,21 @@ def test_openai_errors_in_openai_shape(stacks: tuple[Stack, Stack]) -> None:
     assert empty.value.body["type"] == "invalid_request_error"  # type: ignore[index]
 
 
+def test_openai_413_speaks_the_openai_requests_terms(stacks: tuple[Stack, Stack]) -> None:
+    """The OpenAI body has `input` and a top-level `truncate`; the message names those, never the
+    native route's `inputs[i]` or `parameters.truncate` (which this route refuses)."""
+    stack, _ = stacks
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+    long_text = "word " * 300
+    for given, named in ((long_text, "input:"), (["short", long_text], "input[1]:")):
+        with pytest.raises(openai.APIStatusError) as info:
+            client.embeddings.create(model="minilm", input=given)
+        assert info.value.status_code == 413, info.value.message
+        assert f"413 - {named}" in info.value.message, info.value.message
+        assert '"truncate": true' in info.value.message, info.value.message
+        assert "inputs" not in info.value.message and "parameters" not in info.value.message, info.value.message
+
+
 def outcome_count(stack: Stack, model: str, outcome: str) -> float:
     text = httpx.get(f"{stack.url}/metrics").text
     line = next((ln for ln in text.splitlines() if ln.startswith("vramguard_requests_total")
