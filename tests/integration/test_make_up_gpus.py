@@ -62,7 +62,7 @@ def launch(redis_url: str, key_prefix: str, *args: str, **settings: str) -> Iter
                VRAMGUARD_HEARTBEAT_TTL_MS="1500", VRAMGUARD_BLOCK_MS="200")
     env.update({f"VRAMGUARD_{k.upper()}": v for k, v in settings.items()})
     run_dir = ROOT / ".run" / str(port)
-    proc = subprocess.Popen([sys.executable, "deploy/up.py", *args], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "deploy/up.py", "--run-dir", str(run_dir), *args], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -211,9 +211,9 @@ def test_workers_that_keep_failing_at_start_are_reported_and_the_stack_stops(red
     env.update(VRAMGUARD_SIM_GPUS="1", VRAMGUARD_PORT=str(free_port()), VRAMGUARD_REDIS_URL=redis_server.url,
                VRAMGUARD_KEY_PREFIX=key_prefix, VRAMGUARD_DEVICE_LEDGER_DIR=str(tmp_path / "ledger"))
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "3"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     run_dir = ROOT / ".run" / env["VRAMGUARD_PORT"]
+    done = subprocess.run([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "3",
+                           "--run-dir", str(run_dir)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     supervisord = int((run_dir / "supervisord.pid").read_text()) if (run_dir / "supervisord.pid").exists() else None
     log = (run_dir / "supervisord.log").read_text(errors="replace")
     try:
@@ -237,8 +237,8 @@ def ready_after_fix(env: dict[str, str], run_dir: Path) -> str:
     """make up with 2 workers per GPU in `run_dir`; returns the request line it prints once ready."""
     out = run_dir / "second-up.out"
     with out.open("wb") as sink:
-        proc = subprocess.Popen([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "2"],
-                                cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "deploy/up.py", "--model", "synthetic", "--workers-per-gpu", "2",
+                                 "--run-dir", str(run_dir)], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 120
             while "Ctrl-C stops it" not in out.read_text(errors="replace"):

@@ -39,16 +39,10 @@ def default_run_dir(port: int | str) -> Path:
     return state_dir() / str(port)
 
 
-def supervisorctl() -> str:
-    """supervisor's control command, beside this Python (a virtualenv's bin/)."""
-    found = Path(sys.executable).with_name("supervisorctl")
-    return str(found) if found.exists() else (shutil.which("supervisorctl") or str(found))
-
-
-def supervisord() -> str:
-    """supervisord, beside this Python (a virtualenv's bin/)."""
-    found = Path(sys.executable).with_name("supervisord")
-    return str(found) if found.exists() else (shutil.which("supervisord") or str(found))
+def supervisor_command(program: str) -> list[str]:
+    """supervisor's `supervisord` or `supervisorctl` run by this Python as a module: the supervisor
+    installed with vramguard, wherever (or whether) its scripts are on PATH."""
+    return [sys.executable, "-m", f"supervisor.{program}"]
 
 
 def running_pid(run_dir: Path) -> int | None:
@@ -89,8 +83,8 @@ def saved_env(run_dir: Path) -> dict[str, str] | None:
 
 def ctl(run_dir: Path, env: dict[str, str], *command: str) -> subprocess.CompletedProcess[str]:
     """`supervisorctl <command>` against the stack of `run_dir` (its socket, through `env`)."""
-    return subprocess.run([supervisorctl(), "-c", str(SHIPPED_CONF), *command], env=env, capture_output=True,
-                          text=True, check=False, timeout=60)
+    return subprocess.run([*supervisor_command("supervisorctl"), "-c", str(SHIPPED_CONF), *command], env=env,
+                          capture_output=True, text=True, check=False, timeout=60)
 
 
 def program_states(run_dir: Path, env: dict[str, str]) -> dict[str, str]:

@@ -37,7 +37,7 @@ from vramguard.cli.stack import (
     running_pid,
     save_env,
     state_dir,
-    supervisord,
+    supervisor_command,
 )
 from vramguard.shared.redis_client import find_redis_server
 from vramguard.shared.settings import Settings, SettingsError
@@ -282,7 +282,7 @@ def start(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """supervisord in a session of its own, so a hang-up of the terminal reaches only this launcher,
     which stops the stack in order; a signal to the whole terminal would reach every program at once
     (and makes supervisord reload its configuration). The launcher forwards Ctrl-C, SIGTERM and SIGHUP."""
-    proc = subprocess.Popen([supervisord(), "-c", str(SHIPPED_CONF)], env=env, cwd=env["VG_ROOT"],
+    proc = subprocess.Popen([*supervisor_command("supervisord"), "-c", str(SHIPPED_CONF)], env=env, cwd=env["VG_ROOT"],
                             start_new_session=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: proc.send_signal(signal.SIGTERM))

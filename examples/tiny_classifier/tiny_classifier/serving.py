@@ -9,9 +9,17 @@ N_FEATURES, N_CLASSES = 8, 3
 
 
 class TinyClassifier:
-    """Follows vramguard.ModelBackend; every method but __init__ runs on the worker's model thread."""
+    """example: 8 numbers in, probabilities of 3 classes out.
+
+    Follows vramguard.ModelBackend; every method but __init__ runs on the worker's model thread. The
+    class attributes below describe it to `vramguard up --backend tiny_classifier.serving:TinyClassifier`
+    (models.toml says the same for VRAMGUARD_MODELS_FILE).
+    """
 
     name = "tiny"
+    input_kind = "json"
+    output = {"kind": "tensor", "datatype": "float32", "shape": [N_CLASSES]}
+    example = [[0.5, -1.0, 2.0, 0.0, 1.5, -0.5, 0.25, 3.0]]  # one request's inputs: 8 numbers
     max_item_cost = 1  # every item is the same size: the memory planner measures per item
 
     def __init__(self, config, device, settings):
