@@ -212,7 +212,7 @@ def _strategies(groups: dict[str, list[Record]], fig: Figures) -> str:
     rows = serving_rows(groups.get("strategies", []), fig.ceiling_items_s)
     overhead = [[k, v, fig.batch1_p50_ms, round(v - fig.batch1_p50_ms, 2) if fig.batch1_p50_ms else None]
                 for k, v in fig.c1_p50_ms.items()]
-    return ("## The seed's strategies on minilm (same load)\n\nDESIGN.md's table as settings: serial = "
+    return ("## The seed's strategies on minilm (same load)\n\nThe seed's three strategies as settings: serial = "
             "`max_batch_size=1`; semaphore-like = 2 workers with batch 1; dynamic batching = batch 32, "
             "`max_wait_ms=5`; two levels = that plus `max_inflight_batches=2`; several workers = 2 workers of "
             "batch 32 on the one device. The naive FastAPI endpoint calls the model in a sync handler (thread "

@@ -141,7 +141,7 @@ def minilm(cfg: BenchConfig, name: str, *, workers: int = 1, max_batch_size: int
 
 
 def strategy_services(cfg: BenchConfig) -> list[tuple[str, Service]]:
-    """The seed's strategies as vramguard settings (DESIGN.md's table), then the naive baseline."""
+    """The seed's strategies (serial, semaphore-like, dynamic batching) as settings, then the naive baseline."""
     return [
         ("serial (batch 1)", minilm(cfg, "serial", max_batch_size=1)),
         ("semaphore-like (2 workers, batch 1)", minilm(cfg, "semaphore", workers=2, max_batch_size=1)),

@@ -10,7 +10,7 @@ each must render the host's totals, not its own: with `prometheus_multiproc_dir`
 gateway series use prometheus_client's multiprocess mode (each process writes mmap files in
 that directory; a MultiProcessCollector sums them at scrape time), while the cluster series
 are still built once, by the scraping process's ClusterCollector. The launcher empties the
-directory before the gateways start (deploy/up.py). The files of a gateway that exited stay:
+directory before the gateways start (vramguard/cli/up.py). The files of a gateway that exited stay:
 its counts remain in the sums, so the totals never go backwards when supervisor restarts one;
 only its live gauges are dropped (`mark_process_dead`, as the library documents). `make up`
 uses this mode for a single gateway too: one code path, a restart no longer resets its counters,

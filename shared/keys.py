@@ -1,4 +1,4 @@
-"""Every Redis key and the consumer group name, in one place (../shared/DESIGN.md "Shape").
+"""Every Redis key and the consumer group name, in one place (docs/architecture.md "The pieces").
 
     <prefix>:req:{<model>}        request stream, consumer group `workers`
     <prefix>:rep:{<gateway_id>}   reply stream of one gateway process

@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     # share of the device, memory_share x total device memory, and
     # torch.cuda.set_per_process_memory_fraction hard-caps the process at that share. The shares
     # of the workers on one device add up to at most the watermark (worker/ledger.py checks it
-    # on each host; deploy/placement.py before anything starts).
+    # on each host; vramguard/cli/placement.py before anything starts).
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
     workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device (all models)
     # This worker's fraction of the device's total memory; unset: watermark / workers_per_gpu.

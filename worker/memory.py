@@ -1,4 +1,4 @@
-"""The memory budget at run time (DESIGN.md "Memory"): open the device's accounting, register
+"""The memory budget at run time (docs/architecture.md "Memory"): open the device's accounting, register
 this worker's share of its GPU, measure its forwards and plan (worker/plan.py), then keep every
 forward inside the plan: the soft guard admits concurrent forwards against the budget, the
 adaptive cap learns from OOMs. torch is imported only here, in accounting.py and backends.
@@ -236,7 +236,7 @@ def start_budget(
     backend: ModelBackend, settings: Settings, config: ModelConfig, *, warm_up: Callable[[], None] = lambda: None,
     total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None, register: bool = True,
 ) -> MemoryBudget:
-    """A worker's start, in DESIGN.md's order: open the device's accounting (creating the
+    """A worker's start, in docs/architecture.md's order ("Memory"): open the device's accounting (creating the
     simulated device for "sim"), register this worker's share in its GPU's ledger (unless not
     `register`: worker.profile plans without serving), read its own context, load the weights
     (their bytes = allocated after - before), `warm_up`, measure and plan, then hard-cap the process

@@ -43,7 +43,7 @@ class BatchServer:
     """Serves batches for one worker: `worker_id` on `settings.model`, within `budget`.
 
     `on_context_lost` is called (once per batch) when a forward raised CudaContextLost; the
-    worker then exits without acking (DESIGN.md "Memory").
+    worker then exits without acking (docs/architecture.md "Memory").
     """
 
     def __init__(

@@ -29,7 +29,7 @@ CHAOS_SETTINGS: dict[str, object] = {"served_models": "synthetic", "model": "syn
 
 class Supervisor:
     """`n` synthetic workers under a real supervisord running the shipped deploy/supervisord.conf
-    with the worker program `make up` generates (deploy/programs.py), so restarts, names and
+    with the worker program `make up` generates (vramguard/cli/programs.py), so restarts, names and
     stop behaviour are the product's own. The run dir is the stack's log dir (its logs show in
     `Stack.logs()`); supervisord joins the stack's processes and stops with it.
 

@@ -1,4 +1,4 @@
-"""Every error code of DESIGN.md's table maps to its HTTP status."""
+"""Every error code of shared/errors.py's table maps to its HTTP status."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Placement: which models run on which GPUs, how many worker processes each, and what share of
 each GPU's memory every worker plans from.
 
-Pure Python (no torch, no subprocess, no environment): deploy/up.py feeds it the GPUs it found
+Pure Python (no torch, no subprocess, no environment): vramguard/cli/up.py feeds it the GPUs it found
 and the GPUS / WORKERS_PER_GPU flags or a TOML placement file, and gets back one `WorkerGroup`
-per model x device, which it renders as supervisor programs (deploy/programs.py). A placement
+per model x device, which it renders as supervisor programs (vramguard/cli/programs.py). A placement
 whose shares on one GPU add up to more than the watermark is refused here, before anything starts.
 """
 

@@ -1,0 +1,115 @@
+"""The `vramguard` command's surface without a running stack: every option explained by its
+subcommand's --help, a wrong option or value refused in one line with exit code 2 (a Redis URL
+without a scheme, a misspelled datatype in a models file, a GPU that is not there), `--backend`
+describing a user's class, and `vramguard check` reporting Redis and its eviction policy with an
+exit code a deploy script can use."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.helpers import ROOT, RedisServer, free_port
+from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
+from vramguard.cli.main import build_parser
+from vramguard.shared.models import load_models_file
+
+
+def vramguard(*args: str, cwd: Path = ROOT, **settings: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
+    env.update({f"VRAMGUARD_{k.upper()}": v for k, v in settings.items()})
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "vramguard.cli", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+@pytest.mark.parametrize("name", ["up", "down", "status", "check"])
+def test_every_option_of_a_subcommand_is_explained_in_its_help(name: str) -> None:
+    parser = subcommands()[name]
+    options = [a for a in parser._actions if a.option_strings and a.dest != "help"]
+    assert options
+    shown = " ".join(parser.format_help().split())
+    for option in options:
+        assert option.help and len(option.help) > 20, option.option_strings
+        assert option.option_strings[0] in shown
+
+
+def test_profile_is_a_subcommand_with_its_own_help() -> None:
+    done = vramguard("profile", "--help")
+    assert done.returncode == 0 and done.stdout.startswith("usage: vramguard profile") and "--model" in done.stdout
+
+
+@pytest.mark.parametrize(("args", "settings", "says"), [
+    (["up", "--workers-per-gpu", "two"], {}, "argument --workers-per-gpu/--workers: invalid int value: 'two'"),
+    (["up", "--no-such-option"], {}, "unrecognized arguments: --no-such-option"),
+    (["check", "--gpus", "7"], {}, "GPUS=7: this host has no GPUs"),
+    (["up", "--port", "0"], {}, "VRAMGUARD_PORT='0' is not a port number"),
+    (["up"], {"redis_url": "localhost:6379"}, "VRAMGUARD_REDIS_URL: Value error, 'localhost:6379' needs a scheme"),
+])
+def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(args: list[str], settings: dict[str, str],
+                                                            says: str) -> None:
+    done = vramguard(*args, **settings)
+    assert done.returncode == 2, done
+    assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+
+
+def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(tmp_path: Path) -> None:
+    models = tmp_path / "models.toml"
+    models.write_text('[mine]\nbackend = "mypkg.serving:Mine"\ndescription = "d"\ninput_kind = "json"\n'
+                      'output = { kind = "tensor", datatype = "float33", shape = [3] }\n')
+    run_dir = tmp_path / "run"
+    done = vramguard("up", "--model", "mine", "--port", str(free_port()), "--run-dir", str(run_dir),
+                     models_file=str(models))
+    assert done.returncode == 2, done
+    line = done.stderr.strip()
+    assert len(line.splitlines()) == 1 and "VRAMGUARD_MODELS_FILE" in line and "[mine] output.datatype" in line, line
+    assert "'float33' is not a numpy dtype name" in line and not run_dir.exists()
+
+
+def test_backend_describes_a_users_class_as_a_models_file(tmp_path: Path) -> None:
+    """The example class's attributes become a models-file entry the gateway and workers read back."""
+    path = "tiny_classifier.serving:TinyClassifier"
+    spec = describe_backend(path, import_backend(path, ROOT / "examples" / "tiny_classifier"))
+    assert (spec.name, spec.input_kind.value, spec.output.datatype, spec.output.shape) == ("tiny", "json", "float32",
+                                                                                         (3,))
+    assert spec.description == "example: 8 numbers in, probabilities of 3 classes out." and spec.example
+    assert load_models_file(write_models_file(tmp_path, spec)) == {"tiny": spec}
+    with pytest.raises(BackendError, match=r"importing no_such_pkg.serving failed: ModuleNotFoundError"):
+        import_backend("no_such_pkg.serving:X", tmp_path)
+    with pytest.raises(BackendError, match=r"expected package.module:ClassName"):
+        import_backend("not a path", tmp_path)
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_check_reports_redis_its_eviction_policy_and_the_placement(own_redis: RedisServer) -> None:
+    """1. `vramguard check` against a Redis with maxmemory-policy noeviction, then allkeys-lru,
+       then against a port where nothing listens. Result: exit 0, 1, 1, with a line saying why."""
+    good = vramguard("check", "--model", "synthetic", "--workers-per-gpu", "2", redis_url=own_redis.url)
+    assert good.returncode == 0, good
+    assert "answers, maxmemory-policy noeviction" in good.stdout
+    assert "placement: worker-synthetic-cpu: 2 x synthetic on the CPU" in good.stdout
+    redis.Redis(port=own_redis.port).config_set("maxmemory-policy", "allkeys-lru")
+    evicting = vramguard("check", redis_url=own_redis.url)
+    assert evicting.returncode == 1 and "FAIL redis:" in evicting.stdout and "allkeys-lru" in evicting.stdout
+    away = vramguard("check", redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    assert away.returncode == 1 and "does not answer" in away.stdout, away
