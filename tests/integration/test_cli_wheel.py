@@ -28,7 +28,7 @@ import pytest
 
 from tests.helpers import ROOT, free_port
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 READY_S = 240  # two stacks import torch at once on a busy 2-core machine
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,35 @@ import redis
 
 from tests.helpers import ROOT, RedisServer, free_port
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
-from vramguard.cli.main import build_parser
+from vramguard.cli.main import build_parser, main
 from vramguard.shared.models import load_models_file
 
 
-def vramguard(*args: str, cwd: Path = ROOT, **settings: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")}
-    env.update({f"VRAMGUARD_{k.upper()}": v for k, v in settings.items()})
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "vramguard.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def vramguard(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Callable[..., Ran]:
+    """Run the command in this process with only the given VRAMGUARD_* settings; its exit code and output."""
+
+    def run(*args: str, **settings: str) -> Ran:
+        for name in [k for k in os.environ if k.startswith("VRAMGUARD_")]:
+            monkeypatch.delenv(name)
+        for name, value in settings.items():
+            monkeypatch.setenv(f"VRAMGUARD_{name.upper()}", value)
+        capsys.readouterr()
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        out, err = capsys.readouterr()
+        return Ran(code, out, err)
+
+    return run
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -46,7 +64,7 @@ def test_every_option_of_a_subcommand_is_explained_in_its_help(name: str) -> Non
         assert option.option_strings[0] in shown
 
 
-def test_profile_is_a_subcommand_with_its_own_help() -> None:
+def test_profile_is_a_subcommand_with_its_own_help(vramguard: Callable[..., Ran]) -> None:
     done = vramguard("profile", "--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: vramguard profile") and "--model" in done.stdout
 
@@ -58,15 +76,16 @@ def test_profile_is_a_subcommand_with_its_own_help() -> None:
     (["up", "--port", "0"], {}, "VRAMGUARD_PORT='0' is not a port number"),
     (["up"], {"redis_url": "localhost:6379"}, "VRAMGUARD_REDIS_URL: Value error, 'localhost:6379' needs a scheme"),
 ])
-def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(args: list[str], settings: dict[str, str],
-                                                            says: str) -> None:
+def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(vramguard: Callable[..., Ran], args: list[str],
+                                                            settings: dict[str, str], says: str) -> None:
     done = vramguard(*args, **settings)
     assert done.returncode == 2, done
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
 
 
-def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(tmp_path: Path) -> None:
+def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],
+                                                                              tmp_path: Path) -> None:
     models = tmp_path / "models.toml"
     models.write_text('[mine]\nbackend = "mypkg.serving:Mine"\ndescription = "d"\ninput_kind = "json"\n'
                       'output = { kind = "tensor", datatype = "float33", shape = [3] }\n')
@@ -101,7 +120,8 @@ def own_redis() -> Iterator[RedisServer]:
     server.stop()
 
 
-def test_check_reports_redis_its_eviction_policy_and_the_placement(own_redis: RedisServer) -> None:
+def test_check_reports_redis_its_eviction_policy_and_the_placement(vramguard: Callable[..., Ran],
+                                                                   own_redis: RedisServer) -> None:
     """1. `vramguard check` against a Redis with maxmemory-policy noeviction, then allkeys-lru,
        then against a port where nothing listens. Result: exit 0, 1, 1, with a line saying why."""
     good = vramguard("check", "--model", "synthetic", "--workers-per-gpu", "2", redis_url=own_redis.url)
