@@ -43,7 +43,7 @@ run_stack() {
     echo "== $label"
     RUN_LOG=$(mktemp)
     env VRAMGUARD_PORT=$PORT VRAMGUARD_REDIS_PORT=$REDIS_PORT VRAMGUARD_DEVICE=cuda \
-        VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS=10 "${envs[@]}" "$PY" deploy/up.py "$@" >"$RUN_LOG" 2>&1 &
+        VRAMGUARD_MODELS__MINILM__MAX_WAIT_MS=10 "${envs[@]}" "$PY" deploy/up.py --run-dir .run/$PORT "$@" >"$RUN_LOG" 2>&1 &
     UP_PID=$!
     for _ in $(seq 1 180); do
         grep -q "vramguard is ready" "$RUN_LOG" && break

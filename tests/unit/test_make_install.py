@@ -1,0 +1,55 @@
+"""What `make up` installs, read from make's own dry run (`make -n`): the CPU build of torch from
+PyTorch's CPU index on a machine whose nvidia-smi lists no GPU (PyPI's Linux torch is the CUDA
+build and pulls NVIDIA's libraries), PyPI's torch where it lists one; the stack's packages without
+the test extra; and `make up` / `make down` calling the `vramguard` command."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def dry_run(tmp_path: Path, smi: str, *targets: str) -> str:
+    """`make -n -B targets` with an nvidia-smi on PATH that prints `smi` (exit 0) or fails (smi == "")."""
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho '{smi}'\n" if smi else "#!/bin/sh\necho 'NVIDIA-SMI has failed' >&2\nexit 9\n")
+    fake.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCH", "VRAMGUARD_", "MAKE"))}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    done = subprocess.run(["make", "-n", "-B", *targets], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60, check=True)
+    return "\n".join(" ".join(line.split()) for line in done.stdout.replace("\\\n", " ").splitlines())
+
+
+def test_without_a_gpu_make_installs_the_cpu_build_of_torch_and_no_test_extra(tmp_path: Path) -> None:
+    plan = dry_run(tmp_path, "", ".venv/.installed")
+    torch = next(line for line in plan.splitlines() if "install" in line and "torch" in line)
+    assert '"torch==2.13.0+cpu"' in torch and f"--extra-index-url {CPU_INDEX}" in torch, torch
+    stack = next(line for line in plan.splitlines() if "install" in line and " -e " in line)
+    assert '".[worker,redis]"' in stack and "test" not in stack, stack
+
+
+def test_with_a_gpu_make_installs_pypis_torch(tmp_path: Path) -> None:
+    plan = dry_run(tmp_path, "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-3f2a6c1e-aaaa-bbbb-cccc-000000000000)",
+                   ".venv/.installed")
+    torch = next(line for line in plan.splitlines() if "install" in line and "torch" in line)
+    assert '"torch==2.13.0"' in torch and "extra-index-url" not in torch, torch
+
+
+def test_make_up_and_down_call_the_vramguard_command_on_the_ports_run_folder(tmp_path: Path) -> None:
+    plan = dry_run(tmp_path, "", "up", "down")
+    up = ".venv/bin/vramguard up --model minilm --workers-per-gpu 1 --gateways 1 --port 8000 --run-dir .run/8000"
+    assert up in plan, plan
+    assert ".venv/bin/vramguard down --run-dir .run/8000" in plan
