@@ -74,6 +74,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
+        app.state.redis = redis
+        app.state.keys = keys
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()

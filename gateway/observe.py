@@ -4,18 +4,23 @@ the numbers it shows. Thin: the numbers come from gateway/metrics.py and gateway
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from importlib import resources
+from typing import cast
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from redis import asyncio as aioredis
+from redis.exceptions import RedisError
 
 from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
 from vramguard.gateway.queues import QueueStats
 from vramguard.shared.clock import now_ms
 from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import Keys
 
 router = APIRouter()
 
@@ -51,21 +56,56 @@ async def status_json(request: Request) -> dict[str, object]:
     queues = await _metrics(request).queue_stats()
     ready, details = health.readiness()
     served = request.app.state.settings.served_models
-    models = [_model_status(health, name, queues) for name in served]
+    placed = await placed_workers(request.app.state.redis, request.app.state.keys)
+    models = [model_status(health, name, queues, placed) for name in served]
     beats = [beat for name in served for beat in health.view.workers.get(name, {}).values()]
     return {"time_ms": now_ms(), "ready": ready, "reasons": details["reasons"], "redis_ok": queues is not None,
             "models": models, "gpus": gpu_groups(beats)}
 
 
-def _model_status(health: Health, model: str, queues: dict[str, QueueStats] | None) -> dict[str, object]:
+async def placed_workers(redis: aioredis.Redis, keys: Keys) -> dict[str, dict[str, object]]:
+    """The placement record a `vramguard up` stack keeps (vramguard/cli/placed.py): worker_id -> its
+    model, device and last exit. Empty without one (compose, Kubernetes), or when Redis fails."""
+    try:
+        raw = cast(dict[bytes, bytes], await redis.hgetall(keys.placement()))
+    except RedisError:
+        return {}
+    out: dict[str, dict[str, object]] = {}
+    for wid, entry in raw.items():
+        try:
+            value = json.loads(entry)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out[wid.decode(errors="replace")] = value
+    return out
+
+
+def _exit_text(entry: dict[str, object] | None) -> str | None:
+    """'exit status 3: <its last logged error>' from a placement record entry; None without an exit."""
+    if not entry or not entry.get("exit"):
+        return None
+    return f"{entry['exit']}: {entry.get('reason') or 'no error logged'}"
+
+
+def model_status(health: Health, model: str, queues: dict[str, QueueStats] | None,
+                  placed: dict[str, dict[str, object]]) -> dict[str, object]:
+    """One model's card; its workers are those with a heartbeat and the placed ones without (not
+    running: their last exit and its reason as the problem)."""
     now = now_ms()
     workers: list[dict[str, object]] = []
     per_s = 0.0
-    for wid, beat in sorted(health.view.workers.get(model, {}).items()):
+    beats = health.view.workers.get(model, {})
+    for wid, beat in sorted(beats.items()):
         fields = {k: v for k, v in beat.as_json().items() if k in STATUS_FIELDS and v is not None}
         per_s += beat.items_per_s
         workers.append({"worker_id": wid, "state": beat.state, "device": beat.device_label,
-                        "problem": health.worker_problem(beat, now), **fields})
+                        "problem": health.worker_problem(beat, now), "last_exit": _exit_text(placed.get(wid)),
+                        **fields})
+    for wid, entry in sorted(placed.items()):
+        if entry.get("model") == model and wid not in beats:
+            workers.append({"worker_id": wid, "state": "not running", "device": entry.get("device"),
+                            "problem": _exit_text(entry) or "no heartbeat yet", "last_exit": _exit_text(entry)})
     stats = queues.get(model) if queues is not None else None
     return {
         "name": model,

@@ -96,16 +96,34 @@ def program_pids(up: Up) -> list[int]:
     return [int(line.split("pid ")[1].split(",")[0]) for line in listed.splitlines() if " RUNNING " in line]
 
 
+def worker_pid(up: Up) -> int:
+    listed = vramguard("status", "--run-dir", str(up.run_dir)).stdout
+    return next(int(line.split("pid ")[1].split(",")[0]) for line in listed.splitlines()
+                if line.startswith("worker-") and " RUNNING " in line)
+
+
+def wait_for_exit_on_status_page(port: int, words: str, timeout_s: float = 60) -> bool:
+    """Whether /status.json shows a worker whose last exit says `words` within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = httpx.get(f"http://127.0.0.1:{port}/status.json", timeout=10).json()
+        if any(words in (w.get("last_exit") or "") for m in status["models"] for w in m["workers"]):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 @pytest.mark.slow
 def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the_next(tmp_path: Path) -> None:
     """1. `vramguard up` in a run folder; once ready its launcher is SIGKILLed (supervisord, in a
        session of its own, keeps the stack running).
     2. `vramguard status` and `vramguard down` on the run folder, then `status` again.
-    3. `vramguard up` again in the same folder; once ready, SIGHUP to its process group, as a
-       terminal that is closed sends it.
+    3. `vramguard up` again in the same folder; once ready, its worker is SIGKILLed; then SIGHUP to
+       the launcher's process group, as a terminal that is closed sends it.
     Result: status shows the running programs (exit 0), down stops every one of them, status then
     says none runs (exit 3); the second start begins with fresh logs, the first start's are in
-    previous/; the hang-up stops the whole second stack (launcher, supervisord, every program)."""
+    previous/; the status page shows the killed worker's last exit; the hang-up stops the whole
+    second stack (launcher, supervisord, every program)."""
     run_dir = tmp_path / "run"
     with launch(run_dir) as first:
         first.wait_for("vramguard is ready at")
@@ -124,6 +142,8 @@ def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the
         previous = (run_dir / "previous" / "supervisord.log").read_text()
         assert f"supervisord started with pid {first_supervisord}" in previous
         assert f"with pid {first_supervisord}" not in (run_dir / "supervisord.log").read_text()
+        os.kill(worker_pid(second), signal.SIGKILL)
+        assert wait_for_exit_on_status_page(second.port, "terminated by SIGKILL")
         supervisord, programs = second.supervisord_pid(), program_pids(second)
         os.killpg(second.proc.pid, signal.SIGHUP)
         second.proc.wait(timeout=90)

@@ -7,18 +7,29 @@ exit code a deploy script can use."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import platform
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import pytest
 import redis
 
 from tests.helpers import ROOT, RedisServer, free_port
+from vramguard.cli import placed
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.main import build_parser, main
+from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
+from vramguard.gateway.health import Health
+from vramguard.gateway.observe import model_status, placed_workers
+from vramguard.shared.heartbeat import WorkerBeat
+from vramguard.shared.keys import Keys
 from vramguard.shared.models import load_models_file
+from vramguard.shared.redis_client import connect
+from vramguard.shared.settings import Settings
 
 
 @dataclass
@@ -110,6 +121,35 @@ def test_backend_describes_a_users_class_as_a_models_file(tmp_path: Path) -> Non
         import_backend("no_such_pkg.serving:X", tmp_path)
     with pytest.raises(BackendError, match=r"expected package.module:ClassName"):
         import_backend("not a path", tmp_path)
+
+
+def test_the_status_page_lists_a_placed_worker_that_does_not_run_with_its_exit_reason(own_redis: RedisServer) -> None:
+    """1. The launcher's placement record for synthetic on two GPUs, and the exit it read in
+       supervisord's log for GPU 1's worker, written to a real Redis.
+    2. The status page's model card built from it, with GPU 0's worker beating and GPU 1's not.
+    Result: both placed workers are listed; GPU 1's as not running, its exit and logged error as its problem."""
+    settings = Settings(redis_url=own_redis.url, served_models=["synthetic"], model="synthetic", key_prefix="page")
+    groups = plan([ModelPlacement(name="synthetic")], simulated_gpus(2), 0.8)
+    log = "2026-12-02 03:04:32,892 WARN exited: worker-synthetic-gpu1-0 (exit status 3; not expected)\n"
+    reason = {"worker-synthetic-gpu1-0": "memory budget too small: 102 MiB cannot hold one item"}
+    assert placed.write(settings, placed.placement_record(groups), replace=True) is None
+    assert placed.write(settings, placed.exits_since(log, groups, reason)) is None
+
+    async def card() -> dict[str, object]:
+        client = connect(settings)
+        try:
+            health = Health(settings, client, Keys("page"))
+            running = f"{platform.node()}-synthetic-gpu0-0"
+            health.view.workers["synthetic"][running] = WorkerBeat(worker_id=running, model="synthetic", state="ready")
+            return model_status(health, "synthetic", None, await placed_workers(client, Keys("page")))
+        finally:
+            await client.aclose()
+
+    workers = {w["worker_id"]: w for w in cast(list[dict[str, object]], asyncio.run(card())["workers"])}
+    failing = workers[f"{platform.node()}-synthetic-gpu1-0"]
+    assert failing["state"] == "not running" and failing["device"] == "gpu1"
+    assert failing["problem"] == "exit status 3: memory budget too small: 102 MiB cannot hold one item"
+    assert workers[f"{platform.node()}-synthetic-gpu0-0"]["last_exit"] is None
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import platform
 import re
 import subprocess
 import time
@@ -28,6 +27,8 @@ from typing import cast
 import httpx
 from redis.exceptions import RedisError
 
+from vramguard.cli import placed
+from vramguard.cli.placed import placement_record
 from vramguard.cli.placement import WorkerGroup
 from vramguard.cli.stack import program_states
 from vramguard.shared.heartbeat import WorkerBeat
@@ -47,9 +48,8 @@ Say = Callable[[str], None]
 
 
 def placed_workers(groups: list[WorkerGroup]) -> list[str]:
-    """The consumer names every worker process of the placement will have: host-model-device-slot,
-    as vramguard/cli/programs.py asks supervisor to expand them (%(host_node_name)s is platform.node())."""
-    return [f"{platform.node()}-{g.model}-{g.device_label}-{slot}" for g in groups for slot in range(g.workers)]
+    """The consumer names every worker process of the placement will have: host-model-device-slot."""
+    return list(placement_record(groups))
 
 
 async def _probe(settings: Settings, worker_ids: list[str]) -> dict[str, WorkerBeat]:
@@ -137,12 +137,34 @@ class StartWatch:
     run_dir: Path
     env: dict[str, str]
     settings: Settings
-    expected: list[str]  # consumer names of every placed worker process
+    groups: list[WorkerGroup]
     say: Say
     redis_wait_s: float = REDIS_WAIT_S
     marks: dict[Path, int] = field(default_factory=dict)
     redis_down_since: float | None = None
-    waiting_for: str = ""
+    published: bool = False  # the placement record is in Redis
+    exits_read: int = 0  # bytes of supervisord's log already read for worker exits
+    record_error: str = ""
+
+    @property
+    def expected(self) -> list[str]:
+        return placed_workers(self.groups)
+
+    def record(self) -> None:
+        """Write the placement record once, then each worker exit logged since the last call (see
+        vramguard/cli/placed.py); a Redis error is said once."""
+        error = None
+        if not self.published:
+            error = placed.write(self.settings, placement_record(self.groups), replace=True)
+            self.published = error is None
+        log = read_since(self.run_dir / "supervisord.log", {self.run_dir / "supervisord.log": self.exits_read})
+        self.exits_read += len(log.encode())
+        processes = {process for process, _ in placed.EXITED.findall(log)}
+        reasons = {p: (logged_errors(read_since(self.run_dir / f"{p}.log", {})) or [""])[-1] for p in processes}
+        error = error or placed.write(self.settings, placed.exits_since(log, self.groups, reasons))
+        if error and error != self.record_error:
+            self.say(f"up: cannot write the placement record for the status page: {error}")
+        self.record_error = error or ""
 
     def check(self) -> tuple[list[str] | None, str]:
         """(programs that cannot start, or None; what is still awaited, '' when every placed worker is ready).
@@ -158,6 +180,7 @@ class StartWatch:
             return None, (f"Redis at {mask_url_password(self.settings.redis_url)} to answer "
                           f"(waiting up to {self.redis_wait_s:g} s, --redis-wait-s)")
         self.redis_down_since = None
+        self.record()
         fatal = [name for name, state in program_states(self.run_dir, self.env).items() if state == "FATAL"]
         failing = fatal or failing_at_start(self.run_dir, self.marks)
         if failing:
@@ -175,6 +198,15 @@ def gateway_reasons(port: str) -> str:
         return "; ".join(response.json().get("reasons", [])) or f"HTTP {response.status_code}"
     except (httpx.HTTPError, ValueError):
         return "gateway not answering yet"
+
+
+def watch_running(proc: subprocess.Popen[bytes], watch: StartWatch) -> int:
+    """After ready: keep the status page's record of worker exits until supervisord exits; its exit code."""
+    while True:
+        try:
+            return proc.wait(timeout=CHECK_EVERY * POLL_S)
+        except subprocess.TimeoutExpired:
+            watch.record()
 
 
 def wait_ready(proc: subprocess.Popen[bytes], port: str, watch: StartWatch) -> bool:

@@ -28,7 +28,7 @@ from vramguard.cli.backend import BackendError, describe_backend, import_backend
 from vramguard.cli.gpus import find_gpus
 from vramguard.cli.placement import ModelPlacement, PlacementError, WorkerGroup, load_placement, plan, select_gpus
 from vramguard.cli.programs import worker_environment, write_programs
-from vramguard.cli.readiness import REDIS_WAIT_S, StartWatch, placed_workers, report_failing, wait_ready
+from vramguard.cli.readiness import REDIS_WAIT_S, StartWatch, report_failing, wait_ready, watch_running
 from vramguard.cli.stack import (
     SHIPPED_CONF,
     default_run_dir,
@@ -297,7 +297,7 @@ def run(args: argparse.Namespace) -> int:
     say(f"{describe(groups, env)}\nup: logs in {run_dir}/ (the previous start's in {run_dir}/previous/)")
     if args.workers_only:
         return watch_workers(proc, run_dir, env)
-    watch = StartWatch(run_dir, env, settings, placed_workers(groups), say, args.redis_wait_s)
+    watch = StartWatch(run_dir, env, settings, groups, say, args.redis_wait_s)
     if not wait_ready(proc, env["VRAMGUARD_PORT"], watch):
         if proc.poll() is not None:  # stopped by Ctrl-C, SIGTERM or a hang-up, or supervisord failed
             return proc.returncode
@@ -308,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     port = env["VRAMGUARD_PORT"]
     say(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
         f"Ctrl-C stops it (or, from another terminal: vramguard down --run-dir {run_dir}).\n")
-    return proc.wait()
+    return watch_running(proc, watch)
 
 
 def describe(groups: list[WorkerGroup], env: Mapping[str, str]) -> str:
