@@ -114,6 +114,7 @@ def wait_for_exit_on_status_page(port: int, words: str, timeout_s: float = 60) -
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # stacks start on two busy cores
 def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the_next(tmp_path: Path) -> None:
     """1. `vramguard up` in a run folder; once ready its launcher is SIGKILLed (supervisord, in a
        session of its own, keeps the stack running).
@@ -153,6 +154,7 @@ def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # stacks start on two busy cores
 def test_not_ready_while_a_placed_worker_cannot_start_and_its_error_is_shown(tmp_path: Path) -> None:
     """1. A placement of synthetic on two simulated GPUs of 512 MiB: a worker on GPU 0 with a share of
        0.4 (enough), one on GPU 1 with 0.2 (102 MiB, less than the 144 MiB one needs).
@@ -173,6 +175,7 @@ def test_not_ready_while_a_placed_worker_cannot_start_and_its_error_is_shown(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # stacks start on two busy cores
 def test_a_late_external_redis_is_waited_for(tmp_path: Path) -> None:
     """1. `vramguard up` with VRAMGUARD_REDIS_URL naming a port where no Redis runs yet.
     2. The launcher says what it waits for; the workers exit (Redis is not there) twice or more.

@@ -86,6 +86,7 @@ def clean_env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.timeout(300)  # builds the wheel and the virtualenv
 def test_the_wheel_carries_what_up_needs_and_nothing_of_the_tests(installed: Installed) -> None:
     names = zipfile.ZipFile(installed.wheel).namelist()
     for needed in ("vramguard/cli/supervisord.conf", "vramguard/cli/up.py", "vramguard/gateway/status.html",
@@ -165,6 +166,7 @@ def curl_body(line: str) -> tuple[str, str]:
     return match.group(1), match.group(2)
 
 
+@pytest.mark.timeout(420)  # two stacks, minilm among them, start at once on two busy cores
 def test_vramguard_up_from_the_wheel_serves_minilm_and_a_users_class(stacks: tuple[Launched, Launched]) -> None:
     """1. `vramguard up` and `vramguard up --backend tiny_classifier.serving:TinyClassifier`, from a
        folder outside the checkout, with the wheel's files only.

@@ -155,6 +155,7 @@ MIB = 1024 * 1024
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # five workers import torch at once on two busy cores; up waits for all of them
 async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server: RedisServer, key_prefix: str,
                                                                    tmp_path: Path) -> None:
     """1. make up PLACEMENT=... on two simulated GPUs of 512 MiB: 3 synthetic workers on GPU 0,
@@ -196,6 +197,7 @@ async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(300)  # two starts in a row, each waiting for all its workers on two busy cores
 def test_workers_that_keep_failing_at_start_are_reported_and_the_stack_stops(redis_server: RedisServer,
                                                                              key_prefix: str, tmp_path: Path) -> None:
     """1. make up MODEL=synthetic WORKERS_PER_GPU=3 on one simulated GPU of 512 MiB: each worker's

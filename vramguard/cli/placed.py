@@ -14,7 +14,7 @@ import json
 import platform
 import re
 import time
-from pathlib import Path
+from typing import cast
 
 from redis.exceptions import RedisError
 
@@ -45,9 +45,13 @@ async def _write(settings: Settings, fields: dict[str, str], replace: bool) -> N
     redis = connect(settings)
     key = Keys(settings.key_prefix).placement()
     try:
+        stale: list[str] = []
+        if replace:  # this host's entries of an earlier start; other hosts' stacks keep theirs
+            names = cast(list[bytes], await asyncio.wait_for(redis.hkeys(key), timeout=5.0))
+            stale = [n.decode() for n in names if n.decode().startswith(f"{platform.node()}-")]
         async with redis.pipeline(transaction=False) as pipe:
-            if replace:
-                pipe.delete(key)
+            if stale:
+                pipe.hdel(key, *stale)
             pipe.hset(key, mapping=fields)  # type: ignore[arg-type]
             await asyncio.wait_for(pipe.execute(), timeout=5.0)
     finally:
@@ -55,7 +59,8 @@ async def _write(settings: Settings, fields: dict[str, str], replace: bool) -> N
 
 
 def write(settings: Settings, fields: dict[str, str], *, replace: bool = False) -> str | None:
-    """HSET `fields` into the placement record (after deleting it when `replace`); the error, or None."""
+    """HSET `fields` into the placement record (after dropping this host's earlier entries when
+    `replace`); the error, or None."""
     if not fields:
         return None
     try:
@@ -78,6 +83,3 @@ def exits_since(log: str, groups: list[WorkerGroup], reason_of: dict[str, str]) 
                                    "exited_ms": int(time.time() * 1000)})
     return out
 
-
-def program_log(run_dir: Path, process: str) -> Path:
-    return run_dir / f"{process}.log"
