@@ -56,7 +56,8 @@ async def status_json(request: Request) -> dict[str, object]:
     queues = await _metrics(request).queue_stats()
     ready, details = health.readiness()
     served = request.app.state.settings.served_models
-    placed = await placed_workers(request.app.state.redis, request.app.state.keys)
+    # Redis just failed the queue read: do not wait for it a second time.
+    placed = await placed_workers(request.app.state.redis, request.app.state.keys) if queues is not None else {}
     models = [model_status(health, name, queues, placed) for name in served]
     beats = [beat for name in served for beat in health.view.workers.get(name, {}).values()]
     return {"time_ms": now_ms(), "ready": ready, "reasons": details["reasons"], "redis_ok": queues is not None,
