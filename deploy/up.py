@@ -289,7 +289,7 @@ def failing_at_start(run_dir: str, marks: LogMarks) -> list[str]:
 
 
 def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[str, str], marks: LogMarks) -> bool:
-    """Poll /health/ready until 200. Stops early (False) when supervisord exits, gives up on a
+    """Poll /health/ready until 200 with every model ready. Stops early (False) when supervisord exits, gives up on a
     program, or a program keeps exiting at start (its logged errors are printed)."""
     url = f"http://127.0.0.1:{port}/health/ready"
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -304,9 +304,13 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
                 return False
         try:
             response = httpx.get(url, timeout=2.0)
-            if response.status_code == 200:
+            body = response.json()
+            # The gateway is ready once one model can serve; the stack once every model can.
+            models = body.get("models", {})
+            if response.status_code == 200 and all(m.get("ready", True) for m in models.values()):
                 return True
-            reasons = "; ".join(response.json().get("reasons", []))
+            reasons = "; ".join([*body.get("reasons", []),
+                                 *(f"model {n}: {r}" for n, m in models.items() for r in m.get("reasons", []))])
         except httpx.HTTPError:
             reasons = "gateway not answering yet"
         if reasons != last:

@@ -24,6 +24,7 @@ from vramguard.gateway.edge import JSON, BadBodyError, read_body, require_media_
 from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of, submit
 from vramguard.gateway.openapi import error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
+from vramguard.gateway.routes import has_api_key
 from vramguard.gateway.schemas import jsonable
 from vramguard.shared.errors import ModelNotFoundError
 from vramguard.shared.models import InputKind, ModelSpec, TensorSpec
@@ -88,7 +89,7 @@ async def server_live() -> dict[str, bool]:
 
 @health_router.get("/v2/health/ready", responses=V2_ERRORS)
 async def server_ready(request: Request) -> JSONResponse:
-    """200 when every served model has a live worker (gateway/health.py's readiness), else 503."""
+    """200 when this gateway can serve (gateway/health.py's readiness), else 503."""
     ok, _details = request.app.state.health.readiness()
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
@@ -107,7 +108,7 @@ async def model_metadata(model: str, request: Request, version: str = MODEL_VERS
 @router.get("/v2/models/{model}/versions/{version}/ready", responses=V2_ERRORS, include_in_schema=False)
 async def model_ready(model: str, request: Request, version: str = MODEL_VERSION) -> JSONResponse:
     _spec(request, model, version)
-    ok, _details = request.app.state.health.model_readiness(model)
+    ok, _details = request.app.state.health.model_readiness(model, detail=has_api_key(request))
     return JSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 503)
 
 

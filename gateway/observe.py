@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
 from vramguard.gateway.queues import QueueStats
+from vramguard.gateway.routes import has_api_key
 from vramguard.shared.clock import now_ms
 from vramguard.shared.heartbeat import WorkerBeat
 
@@ -49,7 +50,7 @@ async def status_json(request: Request) -> dict[str, object]:
     GPU: its workers (of every model) and their memory summed."""
     health: Health = request.app.state.health
     queues = await _metrics(request).queue_stats()
-    ready, details = health.readiness()
+    ready, details = health.readiness(detail=has_api_key(request))  # an open route: no Redis text without it
     served = request.app.state.settings.served_models
     models = [_model_status(health, name, queues) for name in served]
     beats = [beat for name in served for beat in health.view.workers.get(name, {}).values()]

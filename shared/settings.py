@@ -78,6 +78,10 @@ class Settings(BaseSettings):
     reply_stream_ttl_s: int = Field(60, ge=5)  # a dead gateway's reply stream expires after this
     reply_stream_maxlen: int = Field(10_000, ge=100)
     shutdown_grace_s: float = Field(10.0, gt=0)
+    # Gateway: after SIGTERM it keeps serving this long, readiness failing, before its drain: a
+    # load balancer (a Kubernetes Service) keeps sending it new connections until it has seen the
+    # readiness fail or the endpoint removal; 0 (supervisor, compose): drain at once.
+    shutdown_delay_s: float = Field(0.0, ge=0, le=600)
 
     # --- HTTP ---
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)

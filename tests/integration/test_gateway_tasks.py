@@ -1,0 +1,189 @@
+"""The gateway's long-lived tasks against a real Redis that misbehaves: a gateway process talks to
+Redis through a fault proxy (tests/proxy.py) while a real synthetic worker talks to it directly.
+Every error redis-py can raise is injected into each task (reply reader, keepalive, health refresh,
+clock sync) and each task goes on; a recreated reply stream is read from its start; a clock
+sample with a long round trip is not used; per-model readiness; a SIGTERM that keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+
+from tests.helpers import RedisServer, Stack, wait_until
+from tests.proxy import STALL, FaultProxy
+from tests.redis_faults import all_faults
+
+PREFIX = "tasks"
+SETTINGS = {"key_prefix": PREFIX, "served_models": "minilm,synthetic", "block_ms": 200,
+            "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1500, "shutdown_grace_s": 5}
+
+
+@pytest.fixture(scope="module")
+def proxy(redis_server: RedisServer) -> Iterator[FaultProxy]:
+    fault_proxy = FaultProxy(redis_server.port).start()
+    yield fault_proxy
+    fault_proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server: RedisServer, proxy: FaultProxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A gateway through the proxy (serving minilm and synthetic) and one synthetic worker, direct."""
+    s = Stack(redis_server.url, tmp_path_factory.mktemp("tasks"), **SETTINGS)
+    s.start_gateway(environ={"VRAMGUARD_REDIS_URL": proxy.url})
+    s.start_worker(model="synthetic", models__synthetic__params='{"batch_ms": 0, "item_ms": 0}')
+    asyncio.run(s.wait_ready(120))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+async def client(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as http:
+        yield http
+
+
+@pytest.fixture
+async def direct(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    connection = aioredis.Redis.from_url(redis_server.url)
+    yield connection
+    await connection.aclose()
+
+
+async def served(client: httpx.AsyncClient, value: int, timeout_ms: int = 3000) -> bool:
+    response = await client.post("/v1/models/synthetic/infer", json={"inputs": [value], "timeout_ms": timeout_ms})
+    return response.status_code == 200 and response.json()["outputs"] == [value]
+
+
+async def reply_stream(direct: aioredis.Redis) -> bytes:
+    keys = [key async for key in direct.scan_iter(f"{PREFIX}:rep:*")]
+    assert len(keys) == 1, keys
+    return keys[0]
+
+
+async def test_readiness_is_the_gateways_and_per_model_readiness_stays_on_the_model_routes(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    """minilm has no worker, synthetic has one: the gateway is ready (it can serve synthetic) and
+    says what minilm lacks; minilm's own readiness, native and v2, is 503 and synthetic's 200."""
+    ready = await client.get("/health/ready")
+    assert ready.status_code == 200, ready.text
+    models = ready.json()["models"]
+    assert models["synthetic"]["ready"] and not models["minilm"]["ready"]
+    assert models["minilm"]["reasons"] == ["no live worker"]
+    assert (await client.get("/v2/health/ready")).status_code == 200
+    for path in ("/v1/models/{}/ready", "/v2/models/{}/ready"):
+        assert (await client.get(path.format("minilm"))).status_code == 503
+        assert (await client.get(path.format("synthetic"))).status_code == 200
+    assert (await client.post("/v1/models/minilm/infer", json={"inputs": ["a"]})).status_code == 503
+
+
+async def test_a_recreated_reply_stream_is_read_from_its_start(
+    stack: Stack, client: httpx.AsyncClient, direct: aioredis.Redis
+) -> None:
+    """1. The reader has read an entry whose id is far ahead (the old server's clock ran ahead).
+    2. Redis loses the data (every key of the stack deleted) and the stream is recreated, its ids
+       from the present: below the old last id.
+    Result: requests are answered again (today's reader skipped every reply: 504 for ever)."""
+    assert await served(client, 1)
+    stream = await reply_stream(direct)
+    await direct.xadd(stream, {b"init": b"1"}, id="9999999999999-0")
+
+    async def read() -> bool:  # the reader deletes what it has read
+        return not await direct.xrange(stream, min="9999999999999-0")
+
+    await wait_until(read, 10)
+    await direct.delete(*[key async for key in direct.scan_iter(f"{PREFIX}:*")])
+    await wait_until(lambda: served(client, 2, timeout_ms=2000), 30, interval_s=0.2)
+
+
+async def test_every_redis_error_in_every_long_lived_task_is_survived(
+    stack: Stack, proxy: FaultProxy, client: httpx.AsyncClient, direct: aioredis.Redis
+) -> None:
+    """Each fault of tests/redis_faults.py (every error class of redis-py's table, a cut, a stall,
+    garbage, replies of the wrong shape) is injected, through the proxy, into the reply reader
+    (XREAD, one at a time between good reads so its back-off stays short), the reply-stream
+    keepalive (EXPIRE), the health refresh (ZREMRANGEBYSCORE) and the clock sync (TIME).
+    Result: the gateway process still runs, answers requests, is ready, refreshes its reply
+    stream's TTL and syncs its clock. (Today a reply of the wrong shape ends the reader.)"""
+    faults = all_faults()
+    for command in (b"EXPIRE", b"ZREMRANGEBYSCORE", b"TIME"):
+        proxy.inject(command, faults)
+    for fault in faults:  # the reader: each fault, then a good read
+        before = proxy.served.get(b"XREAD", 0)
+        proxy.inject(b"XREAD", [fault])
+        await wait_until(lambda b=before: proxy.pending(b"XREAD") == 0 and proxy.served.get(b"XREAD", 0) > b,  # type: ignore[misc]
+                         20 if fault == STALL else 10, interval_s=0.02)
+    for command in (b"EXPIRE", b"ZREMRANGEBYSCORE", b"TIME"):
+        await wait_until(lambda c=command: proxy.pending(c) == 0, 60, interval_s=0.1)  # type: ignore[misc]
+    time_samples = proxy.served.get(b"TIME", 0)
+    assert stack.gateway is not None and stack.gateway.poll() is None
+    await wait_until(lambda: served(client, 3), 15, interval_s=0.2)
+    await wait_until(lambda: ready(client), 10)
+    stream = await reply_stream(direct)
+    await direct.expire(stream, 10_000)
+    await wait_until(lambda: ttl_below(direct, stream, 100), 10)  # the keepalive set it back to 60 s
+    await wait_until(lambda: proxy.served.get(b"TIME", 0) > time_samples, 15)  # the clock sync goes on
+    assert stack.gateway.poll() is None
+
+
+async def ready(client: httpx.AsyncClient) -> bool:
+    return (await client.get("/health/ready")).status_code == 200
+
+
+async def ttl_below(direct: aioredis.Redis, key: bytes, limit_s: int) -> bool:
+    return 0 < await direct.ttl(key) < limit_s
+
+
+async def test_a_clock_sample_with_a_long_round_trip_is_not_used(
+    stack: Stack, proxy: FaultProxy, client: httpx.AsyncClient
+) -> None:
+    """Redis' TIME replies are held 1 s (a stall): a sample taken so would put the gateway's
+    clock 500 ms behind (the midpoint of the round trip). Result: the gateway logs that no good
+    sample was available and its clock (status.json's time_ms, on the shared clock) stays within
+    200 ms of this host's (same host: the true offset is 0)."""
+    proxy.delay_replies(b"TIME", 1.0)
+    try:
+        log = Path(stack.log_dir / "gateway.log")
+        await wait_until(lambda: "no clock sample with a small round trip" in log.read_text(), 20, interval_s=0.2)
+        before = time.time() * 1000
+        shared_ms = (await client.get("/status.json")).json()["time_ms"]
+        after = time.time() * 1000
+        assert before - 200 < shared_ms < after + 200, (shared_ms - (before + after) / 2)
+    finally:
+        proxy.delay_replies(b"TIME", 0)
+
+
+async def test_sigterm_keeps_serving_through_the_delay_then_drains(
+    stack: Stack, client: httpx.AsyncClient, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A second gateway of the stack (shutdown_delay_s 2.5) gets SIGTERM.
+    Result: during the delay /health/ready is 503 but new connections are accepted and requests
+    answered 200 (today: 503 at once); then it drains and exits 0."""
+    second = Stack(redis_server.url, tmp_path, **{**SETTINGS, "shutdown_delay_s": 2.5})
+    second.start_gateway()
+    second.models.add("synthetic")
+    try:
+        await second.wait_ready(60)
+        assert second.gateway is not None
+        second.gateway.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        async with httpx.AsyncClient(base_url=second.url, timeout=10,
+                                     limits=httpx.Limits(max_keepalive_connections=0)) as fresh:
+            await wait_until(lambda: status_of(fresh, "/health/ready", 503), 2, interval_s=0.05)
+            answered = [await served(fresh, i) for i in range(3)]
+            assert time.monotonic() - sent < 2.5, "the requests took past the delay; nothing was checked"
+            assert answered == [True] * 3
+        assert second.gateway.wait(timeout=20) == 0
+    finally:
+        second.stop()
+
+
+async def status_of(client: httpx.AsyncClient, path: str, code: int) -> bool:
+    return (await client.get(path)).status_code == code
