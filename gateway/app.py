@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway.bodycost import JsonCounter
 from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import ClientGoneError
 from vramguard.gateway.health import Health
@@ -76,6 +77,8 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
+        app.state.json_counter = json_counter = JsonCounter(settings.max_json_values)
+        await json_counter.start()
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
@@ -103,6 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
             await clock.stop()
             await blocking.aclose()
             await redis.aclose()
+            json_counter.stop()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)

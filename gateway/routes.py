@@ -14,7 +14,14 @@ from starlette.datastructures import Headers
 
 from vramguard.gateway.edge import JSON, header_timeout, read_body, require_media_type
 from vramguard.gateway.health import Health
-from vramguard.gateway.inference import dispatcher_of, inference_request, request_id_of, settings_of, submit
+from vramguard.gateway.inference import (
+    check_json_cost,
+    dispatcher_of,
+    inference_request,
+    request_id_of,
+    settings_of,
+    submit,
+)
 from vramguard.gateway.openapi import NATIVE_ERRORS, error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
 from vramguard.gateway.schemas import (
@@ -115,6 +122,7 @@ async def _infer(model: str, request: Request, x_request_timeout_ms: str | None)
         if _media_type(request) in spec.raw_content_types:
             reply = await submit(request, record, *_raw_request(body, request), header_ms, raw=True)
         else:
+            await check_json_cost(request, body)
             parsed = parse_infer_request(body)
             reply = await submit(request, record, list(parsed.inputs), dict(parsed.parameters),
                                  parsed.timeout_ms or header_ms)

@@ -85,6 +85,9 @@ class Settings(BaseSettings):
 
     # --- HTTP ---
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # JSON values (scalars, lists, objects) one request body may hold: parsing builds one Python object
+    # each on the event loop (gateway/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
+    max_json_values: int = Field(65_536, ge=1024)
     access_log: bool = False
     # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"

@@ -6,10 +6,9 @@ sample with a long round trip is not used; per-model readiness; a SIGTERM that k
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -17,30 +16,23 @@ import pytest
 import redis.asyncio as aioredis
 
 from tests.helpers import RedisServer, Stack, wait_until
+from tests.integration.conftest import EDGE_PREFIX
 from tests.proxy import STALL, FaultProxy
 from tests.redis_faults import all_faults
 
-PREFIX = "tasks"
-SETTINGS = {"key_prefix": PREFIX, "served_models": "minilm,synthetic", "block_ms": 200,
-            "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1500, "shutdown_grace_s": 5}
+PREFIX = EDGE_PREFIX
 
 
 @pytest.fixture(scope="module")
-def proxy(redis_server: RedisServer) -> Iterator[FaultProxy]:
-    fault_proxy = FaultProxy(redis_server.port).start()
-    yield fault_proxy
-    fault_proxy.stop()
+def proxy(edge_proxy: FaultProxy) -> FaultProxy:
+    return edge_proxy
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server: RedisServer, proxy: FaultProxy, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """A gateway through the proxy (serving minilm and synthetic) and one synthetic worker, direct."""
-    s = Stack(redis_server.url, tmp_path_factory.mktemp("tasks"), **SETTINGS)
-    s.start_gateway(environ={"VRAMGUARD_REDIS_URL": proxy.url})
-    s.start_worker(model="synthetic", models__synthetic__params='{"batch_ms": 0, "item_ms": 0}')
-    asyncio.run(s.wait_ready(120))
-    yield s
-    s.stop()
+def stack(edge_stack: Stack) -> Stack:
+    """conftest.py's edge_stack: a gateway through the proxy serving minilm (no worker), synthetic
+    (a worker, direct to Redis) and two more models."""
+    return edge_stack
 
 
 @pytest.fixture
@@ -166,7 +158,7 @@ async def test_sigterm_keeps_serving_through_the_delay_then_drains(
     """A second gateway of the stack (shutdown_delay_s 2.5) gets SIGTERM.
     Result: during the delay /health/ready is 503 but new connections are accepted and requests
     answered 200 (today: 503 at once); then it drains and exits 0."""
-    second = Stack(redis_server.url, tmp_path, **{**SETTINGS, "shutdown_delay_s": 2.5})
+    second = Stack(redis_server.url, tmp_path, **{**stack.settings, "shutdown_delay_s": 2.5})
     second.start_gateway()
     second.models.add("synthetic")
     try:
