@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway.bodybudget import BodyBudget, HoldBodies
 from vramguard.gateway.bodycost import JsonCounter
 from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import ClientGoneError
@@ -110,6 +111,7 @@ def create_app(settings: Settings) -> FastAPI:
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(HoldBodies, budget=BodyBudget(settings.max_inflight_body_bytes))
     # The native inference route first, as a plain Starlette route (routes.infer_endpoint says why);
     # the FastAPI route of the same path, behind it, only describes it in the OpenAPI schema.
     app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))

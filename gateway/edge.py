@@ -12,6 +12,7 @@ from collections.abc import Collection, Mapping
 import regex
 from starlette.requests import ClientDisconnect, Request
 
+from vramguard.gateway.bodybudget import STATE_KEY, BodyHold
 from vramguard.shared.errors import (
     InputTooLongError,
     InvalidInputError,
@@ -91,14 +92,20 @@ class BadBodyError(InvalidInputError):
 
 async def _read_raw(request: Request, limit_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and is_ascii_number(declared, max_digits=19) and int(declared) > limit_bytes:
+    known = declared is not None and is_ascii_number(declared, max_digits=19)
+    if known and int(declared) > limit_bytes:  # type: ignore[arg-type]
         raise PayloadTooLargeError(f"body of {declared} bytes is over the {limit_bytes}-byte limit")
+    hold: BodyHold | None = getattr(request.state, STATE_KEY, None)  # gateway/bodybudget.py
+    if hold is not None and known:
+        hold.take(int(declared))  # type: ignore[arg-type]  # all of it at once: before a byte is read
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit_bytes:
                 raise PayloadTooLargeError(f"body is over the {limit_bytes}-byte limit")
+            if hold is not None and len(body) > hold.bytes:  # chunked, or longer than declared
+                hold.take(len(body) - hold.bytes)
     except ClientDisconnect as exc:
         raise ClientGoneError(f"the client disconnected after {len(body)} bytes of its body") from exc
     return bytes(body)

@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     # JSON values (scalars, lists, objects) one request body may hold: parsing builds one Python object
     # each on the event loop (gateway/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
     max_json_values: int = Field(65_536, ge=1024)
+    # Request body bytes one gateway process holds at once (gateway/bodybudget.py), at least one
+    # body at the cap; 128 MiB: about 4 x that in memory (body, parsed inputs, packed request) fits
+    # the Kubernetes gateway's 1 GiB limit with the process itself (README "Run on Kubernetes").
+    max_inflight_body_bytes: int = Field(128 * 1024 * 1024, ge=1024)
     access_log: bool = False
     # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
@@ -207,6 +211,18 @@ class Settings(BaseSettings):
                     for e in exc.errors()
                 )
                 raise ValueError(detail) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_body_bounds(self) -> Settings:
+        # One body at the cap must always fit, in the gateway and in a model's queue.
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                             f"max_body_bytes ({self.max_body_bytes})")
+        for name in self.served_models:
+            if self.model_config_for(name).queue_bound_bytes < self.max_body_bytes:
+                raise ValueError(f"{ENV_PREFIX}MODELS__{name.upper()}__QUEUE_BOUND_BYTES must be at least "
+                                 f"max_body_bytes ({self.max_body_bytes})")
         return self
 
     @field_validator("api_key")

@@ -67,7 +67,8 @@ async def start_worker(settings_factory: Callable[..., Settings]) -> AsyncIterat
 # proxy (tests/proxy.py), the workers directly.
 EDGE_PREFIX = "edge"
 EDGE_SETTINGS = {"key_prefix": EDGE_PREFIX, "served_models": "minilm,synthetic,flags,counts", "block_ms": 200,
-                 "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1500, "shutdown_grace_s": 5}
+                 "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1500, "shutdown_grace_s": 5,
+                 "models__synthetic__queue_bound_bytes": 10 * 2**20, "max_inflight_body_bytes": 20 * 2**20}
 EDGE_MODELS_FILE = """
 [flags]
 backend = "vramguard.worker.models.synthetic:SyntheticBackend"
