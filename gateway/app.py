@@ -79,7 +79,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.metrics = metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
         app.state.json_counter = json_counter = JsonCounter(settings.max_json_values)
-        await json_counter.start()
+        json_counter.start()
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()

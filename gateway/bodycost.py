@@ -55,10 +55,11 @@ class JsonCounter:
         self.max_values = max_values
         self._pool: ProcessPoolExecutor | None = None
 
-    async def start(self) -> None:
-        """Start the helper process now, so the first large body does not wait for it."""
+    def start(self) -> None:
+        """Start the helper process in the background (a spawned interpreter takes a second or
+        more to start), so the first large body does not wait for all of it."""
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        await asyncio.get_running_loop().run_in_executor(self._pool, count_json_values, b"[]")
+        self._pool.submit(count_json_values, b"[]")
 
     def stop(self) -> None:
         if self._pool is not None:
@@ -71,7 +72,7 @@ class JsonCounter:
         if len(body) <= INLINE_BYTES:
             return
         if self._pool is None:
-            await self.start()
+            self.start()
         assert self._pool is not None
         try:
             count = await asyncio.get_running_loop().run_in_executor(self._pool, count_json_values, body)

@@ -6,6 +6,7 @@ sample with a long round trip is not used; per-model readiness; a SIGTERM that k
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from collections.abc import AsyncIterator
@@ -14,11 +15,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis.asyncio as aioredis
+import uvicorn
 
-from tests.helpers import RedisServer, Stack, wait_until
+from tests.helpers import RedisServer, Stack, free_port, wait_until
 from tests.integration.conftest import EDGE_PREFIX
 from tests.proxy import STALL, FaultProxy
 from tests.redis_faults import all_faults
+from vramguard.gateway.__main__ import DrainingServer
+from vramguard.gateway.app import broken_task, create_app
+from vramguard.gateway.server import uvicorn_options
+from vramguard.shared.settings import Settings
 
 PREFIX = EDGE_PREFIX
 
@@ -179,3 +185,50 @@ async def test_sigterm_keeps_serving_through_the_delay_then_drains(
 
 async def status_of(client: httpx.AsyncClient, path: str, code: int) -> bool:
     return (await client.get(path)).status_code == code
+
+
+async def test_open_routes_give_a_generic_redis_reason_and_the_detail_needs_the_api_key(tmp_path: Path) -> None:
+    """A gateway whose Redis refuses connections: /health/ready and /status.json (open) say Redis is
+    unreachable without its address or error text (which name internal hosts); with the API key
+    the detail is there."""
+    dead_port = free_port()
+    lone = Stack(f"redis://127.0.0.1:{dead_port}/0", tmp_path, key_prefix="lone", served_models="synthetic",
+                 api_key="secret-key")
+    lone.start_gateway()
+    try:
+        async with httpx.AsyncClient(base_url=lone.url, timeout=10) as http:
+            await wait_until(lambda: answers(http, "/health/ready"), 60, interval_s=0.2)
+            for path in ("/health/ready", "/status.json"):
+                open_text = (await http.get(path)).text
+                assert "redis: unreachable or failing" in open_text, open_text
+                assert str(dead_port) not in open_text and "refused" not in open_text.lower(), open_text
+                keyed = (await http.get(path, headers={"X-API-Key": "secret-key"})).text
+                assert str(dead_port) in keyed, keyed
+    finally:
+        lone.stop()
+
+
+async def answers(http: httpx.AsyncClient, path: str) -> bool:
+    try:
+        return (await http.get(path)).status_code in (200, 503)
+    except httpx.HTTPError:
+        return False
+
+
+async def test_a_long_lived_task_that_ends_fails_readiness_and_stops_the_server(redis_server: RedisServer) -> None:
+    """The gateway's server (uvicorn, real HTTP, as python -m vramguard.gateway runs it) loses its
+    reply reader (cancelled: what no Redis error does any more). Result: the server stops by itself,
+    readiness names the task, and the exit code main() returns is 1, so it is restarted."""
+    settings = Settings(redis_url=redis_server.url, key_prefix="ends", served_models=["synthetic"],
+                        port=free_port(), host="127.0.0.1", block_ms=200)
+    app = create_app(settings)
+    server = DrainingServer(uvicorn.Config(app, host=settings.host, port=settings.port, log_config=None,
+                                           **uvicorn_options(settings)), app)  # type: ignore[arg-type]
+    serving = asyncio.ensure_future(server.serve())
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}") as http:
+        await wait_until(lambda: answers(http, "/health/live"), 30)
+    app.state.listener._reader.cancel()
+    await asyncio.wait_for(serving, 30)
+    assert broken_task(app) is not None and "reply-reader" in broken_task(app)
+    ready, details = app.state.health.readiness()
+    assert not ready and any("reply-reader" in r for r in details["reasons"]), details
