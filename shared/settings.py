@@ -89,9 +89,10 @@ class Settings(BaseSettings):
     # each on the event loop (gateway/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
     max_json_values: int = Field(65_536, ge=1024)
     # Request body bytes one gateway process holds at once (gateway/bodybudget.py), at least one
-    # body at the cap; 128 MiB: about 4 x that in memory (body, parsed inputs, packed request) fits
-    # the Kubernetes gateway's 1 GiB limit with the process itself (README "Run on Kubernetes").
-    max_inflight_body_bytes: int = Field(128 * 1024 * 1024, ge=1024)
+    # body at the cap. 96 MiB: a request holds about 4.6 x its body in memory (body, parsed inputs,
+    # packed request: measured), so 442 MiB, plus the process (82 MiB) and its JSON counting
+    # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (README "Run on Kubernetes").
+    max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
     access_log: bool = False
     # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
