@@ -9,6 +9,7 @@ while a model's workers can be expected back (gateway/expected.py), though readi
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import cast
@@ -36,6 +37,7 @@ class HealthView:
     redis_error: str = "not checked yet"
     workers: dict[str, dict[str, WorkerBeat]] = field(default_factory=dict)
     refreshed_ms: int = 0
+    start_failures: dict[str, list[str]] = field(default_factory=dict)  # model -> why its workers' starts failed
 
 
 class Health:
@@ -68,6 +70,7 @@ class Health:
         kept_from = now - max(self._settings.heartbeat_ttl_ms, self.returns.grace_ms)  # evidence for ReturnWatch
         try:
             workers: dict[str, dict[str, WorkerBeat]] = {}
+            failures: dict[str, list[str]] = {}
             for model in self._settings.served_models:
                 index = self._keys.worker_index(model)
                 await self._redis.zremrangebyscore(index, "-inf", f"({kept_from}")
@@ -75,13 +78,16 @@ class Health:
                 self.returns.saw(model, newest[0][1] if newest else None)
                 ids = cast(list[bytes], await self._redis.zrangebyscore(index, oldest, "+inf"))
                 async with self._redis.pipeline(transaction=False) as pipe:
+                    pipe.hgetall(self._keys.start_failures(model))
                     for worker_id in ids:
                         pipe.hgetall(self._keys.heartbeat(worker_id.decode()))
-                    beats = await pipe.execute()
+                    failed, *beats = await pipe.execute()
+                failures[model] = start_failures(failed, now)
                 workers[model] = {
                     wid.decode(): WorkerBeat.from_hash(beat) for wid, beat in zip(ids, beats, strict=True) if beat
                 }
-            self.view = HealthView(redis_ok=True, redis_error="", workers=workers, refreshed_ms=now)
+            self.view = HealthView(redis_ok=True, redis_error="", workers=workers, refreshed_ms=now,
+                                   start_failures=failures)
             for model in self._settings.served_models:
                 if self.live_workers(model):
                     self.returns.saw(model, now)
@@ -171,8 +177,27 @@ class Health:
         now = now_ms()
         problems = {w: p for w, b in beats.items() if (p := self.worker_problem(b, now)) is not None}
         live = len(beats) - len(problems)
-        if not beats:
-            return 0, 0, ["no live worker"]  # no fresh heartbeat at all
+        if not beats:  # no fresh heartbeat at all; workers that failed to start say why (worker/startfail.py)
+            return 0, 0, ["no live worker", *self.view.start_failures.get(model, [])]
         if live == 0:
             return 0, len(beats), [f"no live worker: {w}: {p}" for w, p in sorted(problems.items())]
         return live, len(beats), []
+
+
+START_FAILURE_MAX_AGE_MS = 600_000  # worker/startfail.py's TTL: older records are not the current loop's
+
+
+def start_failures(raw: dict[bytes, bytes], now: int) -> list[str]:
+    """The recent failed starts of a model's workers (worker/startfail.py's hash), one reason line
+    each: "worker w failed to start: exit 7 (...)"; a malformed record is skipped."""
+    lines = []
+    for worker_id, value in sorted(raw.items()):
+        try:
+            record = json.loads(value)
+            if now - int(record["at_ms"]) > START_FAILURE_MAX_AGE_MS:
+                continue
+            lines.append(f"worker {worker_id.decode()} failed to start: exit {int(record['exit_code'])}: "
+                         f"{record['reason']}")
+        except (ValueError, KeyError, TypeError):
+            continue
+    return lines

@@ -7,6 +7,7 @@
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
     <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
+    <prefix>:startfail:{<model>}  hash worker_id -> why its last start failed (JSON; expires)
     <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
@@ -48,6 +49,9 @@ class Keys:
 
     def claim_record(self, model: str, worker_id: str) -> str:
         return f"{self.prefix}:claim:{{{model}}}:{worker_id}"
+
+    def start_failures(self, model: str) -> str:
+        return f"{self.prefix}:startfail:{{{model}}}"
 
     def executions(self, model: str) -> str:
         return f"{self.prefix}:exec:{{{model}}}"

@@ -66,7 +66,7 @@ async def start_worker(settings_factory: Callable[..., Settings]) -> AsyncIterat
 # (test_event_loop_bound.py, test_gateway_tasks.py): the gateway reaches Redis through a fault
 # proxy (tests/proxy.py), the workers directly.
 EDGE_PREFIX = "edge"
-EDGE_SETTINGS = {"key_prefix": EDGE_PREFIX, "served_models": "minilm,synthetic,flags,counts", "block_ms": 200,
+EDGE_SETTINGS = {"key_prefix": EDGE_PREFIX, "served_models": "minilm,synthetic,flags,counts,broken", "block_ms": 200,
                  "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 1500, "shutdown_grace_s": 5,
                  "models__synthetic__queue_bound_bytes": 10 * 2**20, "max_inflight_body_bytes": 20 * 2**20}
 EDGE_MODELS_FILE = """
@@ -87,6 +87,12 @@ output = { kind = "json" }
 inputs = [{ name = "counts", datatype = "INT32", shape = [-1] }]
 outputs = [{ name = "counts", datatype = "INT32", shape = [-1] }]
 example = [1, 2]
+
+[broken]
+backend = "no_such_package.serving:Missing"
+description = "a plug-in that cannot start: its package is not installed"
+input_kind = "json"
+output = { kind = "json" }
 """
 INSTANT = '{"batch_ms": 0, "item_ms": 0}'
 
@@ -102,7 +108,8 @@ def edge_proxy(redis_server: RedisServer) -> Iterator[FaultProxy]:
 def edge_stack(redis_server: RedisServer, edge_proxy: FaultProxy,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """A gateway through `edge_proxy` serving minilm (no worker: its requests stop at admission),
-    synthetic and flags (a worker each, instant) and counts (no worker); models file EDGE_MODELS_FILE."""
+    synthetic and flags (a worker each, instant), counts (no worker) and broken (whose workers cannot
+    start); models file EDGE_MODELS_FILE."""
     folder = tmp_path_factory.mktemp("edge")
     models_file = folder / "models.toml"
     models_file.write_text(EDGE_MODELS_FILE)

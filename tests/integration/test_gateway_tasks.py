@@ -82,6 +82,23 @@ async def test_readiness_is_the_gateways_and_per_model_readiness_stays_on_the_mo
     assert (await client.post("/v1/models/minilm/infer", json={"inputs": ["a"]})).status_code == 503
 
 
+async def test_a_model_whose_workers_cannot_start_is_reported_with_their_reason(
+    stack: Stack, client: httpx.AsyncClient
+) -> None:
+    """A worker of `broken` (its package is not installed) exits at start. Result: the gateway stays
+    ready (synthetic can be served); broken's readiness names the worker, its exit code and the
+    error it exited with (today: only "no live worker", and the gateway was not ready at all)."""
+    worker = stack.start_worker(model="broken")
+    assert worker.wait(timeout=60) != 0
+
+    async def reported() -> bool:
+        reasons = (await client.get("/v1/models/broken/ready")).json()["reasons"]
+        return any("failed to start" in r and "no_such_package" in r for r in reasons)
+
+    await wait_until(reported, 10)
+    assert (await client.get("/health/ready")).status_code == 200
+
+
 async def test_a_recreated_reply_stream_is_read_from_its_start(
     stack: Stack, client: httpx.AsyncClient, direct: aioredis.Redis
 ) -> None:
