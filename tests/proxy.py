@@ -143,9 +143,16 @@ class FaultProxy:
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
-        self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", self.port))
         self._ready.set()
         self._loop.run_forever()
+        server.close()  # stop() was called: close every connection, then the loop itself
+        tasks = asyncio.all_tasks(self._loop)
+        for task in tasks:
+            task.cancel()
+        self._loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
+        self._loop.run_until_complete(server.wait_closed())
+        self._loop.close()
 
     async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
         try:
@@ -156,11 +163,16 @@ class FaultProxy:
         delay: list[float] = []  # the hold for the reply of the command in flight (one at a time outside pipelines)
         tasks = {asyncio.ensure_future(self._requests(client_r, client_w, up_w, delay)),
                  asyncio.ensure_future(self._replies(up_r, client_w, delay))}
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in tasks:
-            task.cancel()
-        for writer in (client_w, up_w):
-            writer.close()
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for writer in (client_w, up_w):
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
 
     def _command(self, data: bytes) -> bytes | None:
         """The name of the one command `data` holds, else None (a pipeline, or part of a command)."""

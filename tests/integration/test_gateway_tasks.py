@@ -232,9 +232,14 @@ async def answers(http: httpx.AsyncClient, path: str) -> bool:
         return False
 
 
+class TaskKilled(BaseException):
+    """Not an Exception: escapes every handler in the gateway's tasks."""
+
+
 async def test_a_long_lived_task_that_ends_fails_readiness_and_stops_the_server(redis_server: RedisServer) -> None:
     """The gateway's server (uvicorn, real HTTP, as python -m vramguard.gateway runs it) loses its
-    reply reader (cancelled: what no Redis error does any more). Result: the server stops by itself,
+    reply reader: its next read raises a BaseException, which no handler of a Redis error catches
+    (no Redis error ends it any more; this stands for a bug). Result: the server stops by itself,
     readiness names the task, and the exit code main() returns is 1, so it is restarted."""
     settings = Settings(redis_url=redis_server.url, key_prefix="ends", served_models=["synthetic"],
                         port=free_port(), host="127.0.0.1", block_ms=200)
@@ -244,7 +249,10 @@ async def test_a_long_lived_task_that_ends_fails_readiness_and_stops_the_server(
     serving = asyncio.ensure_future(server.serve())
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{settings.port}") as http:
         await wait_until(lambda: answers(http, "/health/live"), 30)
-    app.state.listener._reader.cancel()
+    async def read_and_die(*args: object, **kwargs: object) -> None:
+        raise TaskKilled
+
+    app.state.listener._blocking.xread = read_and_die  # the next read, after the one under way (200 ms)
     await asyncio.wait_for(serving, 30)
     assert broken_task(app) is not None and "reply-reader" in broken_task(app)
     ready, details = app.state.health.readiness()
