@@ -311,7 +311,7 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, conf: Path, env: dict[s
                 return True
             reasons = "; ".join([*body.get("reasons", []),
                                  *(f"model {n}: {r}" for n, m in models.items() for r in m.get("reasons", []))])
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):  # ValueError: not JSON (something else on the port)
             reasons = "gateway not answering yet"
         if reasons != last:
             print(f"up: waiting for readiness: {reasons}", flush=True)
