@@ -114,9 +114,11 @@ def edge_stack(redis_server: RedisServer, edge_proxy: FaultProxy,
     models_file = folder / "models.toml"
     models_file.write_text(EDGE_MODELS_FILE)
     stack = Stack(redis_server.url, folder, models_file=models_file, **EDGE_SETTINGS)
-    stack.start_gateway(environ={"VRAMGUARD_REDIS_URL": edge_proxy.url})
-    stack.start_worker(model="synthetic", models__synthetic__params=INSTANT)
-    stack.start_worker(model="flags", models__flags__params=INSTANT)
-    asyncio.run(stack.wait_ready(120))
-    yield stack
-    stack.stop()
+    try:  # stopped also when it never gets ready: no process outlives the session
+        stack.start_gateway(environ={"VRAMGUARD_REDIS_URL": edge_proxy.url})
+        stack.start_worker(model="synthetic", models__synthetic__params=INSTANT)
+        stack.start_worker(model="flags", models__flags__params=INSTANT)
+        asyncio.run(stack.wait_ready(120))
+        yield stack
+    finally:
+        stack.stop()
