@@ -15,7 +15,7 @@ from types import FrameType
 
 import uvicorn
 
-from vramguard.gateway.app import create_app, drain_requests
+from vramguard.gateway.app import broken_task, create_app, fail_waiting, shut_down
 from vramguard.gateway.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
@@ -42,14 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     listener = shared_port_socket(settings) if settings.reuse_port else None
     DrainingServer(config, app).run(sockets=[listener] if listener is not None else None)
-    return 0
+    # A gateway whose long-lived task ended exits non-zero, so supervisor and Kubernetes restart it.
+    return 1 if broken_task(app) is not None else 0
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn's server with a drain before its own shutdown: the first SIGTERM flips
-    readiness to 503 and lets requests in flight finish (app.drain_requests) while the port
-    still answers, so a load balancer sees "not ready" rather than a refused connection; then
-    uvicorn shuts down as usual. A second signal exits at once (uvicorn's behaviour)."""
+    """uvicorn's server with a drain before its own shutdown: the first SIGTERM flips readiness
+    to 503, serves on for shutdown_delay_s, then lets requests in flight finish (app.shut_down)
+    while the port still answers, so a load balancer sees "not ready" rather than a refused
+    connection or a 503; then uvicorn shuts down as usual. A second signal exits at once
+    (uvicorn's behaviour). A long-lived task that ended (app.broken_task) fails the waiting
+    requests and exits at once."""
 
     def __init__(self, config: uvicorn.Config, app: object) -> None:
         super().__init__(config)
@@ -63,8 +66,11 @@ class DrainingServer(uvicorn.Server):
         self._drain_requested = True
 
     async def on_tick(self, counter: int) -> bool:
+        if self._drain is None and broken_task(self._app) is not None:  # type: ignore[arg-type]
+            fail_waiting(self._app)  # type: ignore[arg-type]
+            self.should_exit = True
         if self._drain_requested and self._drain is None:
-            self._drain = asyncio.create_task(drain_requests(self._app))  # type: ignore[arg-type]
+            self._drain = asyncio.create_task(shut_down(self._app))  # type: ignore[arg-type]
         if self._drain is not None and self._drain.done():
             self.should_exit = True
         return await super().on_tick(counter)

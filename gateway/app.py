@@ -22,6 +22,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
 from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway.bodybudget import BodyBudget, HoldBodies
+from vramguard.gateway.bodycost import JsonCounter
 from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import ClientGoneError
 from vramguard.gateway.health import Health
@@ -38,6 +40,7 @@ from vramguard.gateway.routes import (
     require_api_key,
     router,
 )
+from vramguard.gateway.tasks import TaskWatch
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import (
     DeadlineExceededError,
@@ -68,7 +71,8 @@ def create_app(settings: Settings) -> FastAPI:
         redis = connect(settings)
         blocking = connect_blocking(settings)
         listener = ReplyListener(settings, redis, blocking, keys.reply_stream(gateway_id))
-        health = Health(settings, redis, keys)
+        tasks = TaskWatch()
+        health = Health(settings, redis, keys, tasks)
         app.state.settings = settings
         app.state.health = health
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
@@ -76,9 +80,14 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.listener = listener
         app.state.redis = redis
         app.state.keys = keys
+        app.state.json_counter = json_counter = JsonCounter(settings.max_json_values)
+        json_counter.start()
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
+        assert clock.task is not None
+        tasks.watch(clock.task)
+        listener.watch(tasks)
         try:
             await check_eviction_policy(redis, settings)  # raises RuntimeError under redis_eviction_check=refuse
             await ensure_groups(redis, keys, settings.served_models)
@@ -94,15 +103,18 @@ def create_app(settings: Settings) -> FastAPI:
         finally:
             # Reverse order of startup: stop admitting, drain, fail the rest, stop readers, close.
             await drain_requests(app)
+            tasks.stop()
             metrics.close()  # drained: nothing of ours in flight stays in the host's sums
             await health.stop()
             await listener.stop()
             await clock.stop()
             await blocking.aclose()
             await redis.aclose()
+            json_counter.stop()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
     app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.add_middleware(HoldBodies, budget=BodyBudget(settings.max_inflight_body_bytes))
     # The native inference route first, as a plain Starlette route (routes.infer_endpoint says why);
     # the FastAPI route of the same path, behind it, only describes it in the OpenAPI schema.
     app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))
@@ -119,18 +131,44 @@ def create_app(settings: Settings) -> FastAPI:
 
 
 async def drain_requests(app: FastAPI) -> None:
-    """Graceful shutdown, first half: readiness and admission answer 503 from now on,
-    requests in flight get up to `shutdown_grace_s` for their reply, the rest fail with 503.
-    Idempotent; gateway/__main__.py calls it on SIGTERM while uvicorn still serves, the lifespan
-    again at exit."""
+    """Graceful shutdown, second half: admission answers 503 from now on, requests in flight get
+    up to `shutdown_grace_s` for their reply, the rest fail with 503. Idempotent;
+    gateway/__main__.py calls it after shutdown_delay_s on SIGTERM while uvicorn still serves, the
+    lifespan again at exit."""
     health: Health = app.state.health
     listener: ReplyListener = app.state.listener
-    health.shutting_down = True
+    health.shutting_down = health.admission_closed = True
     loop = asyncio.get_running_loop()
     until = loop.time() + app.state.settings.shutdown_grace_s
     while listener.waiting and loop.time() < until:
         await asyncio.sleep(0.05)
     listener.fail_all(UnavailableError("the gateway shut down before the reply came"))
+
+
+async def shut_down(app: FastAPI) -> None:
+    """Graceful shutdown on SIGTERM: readiness fails at once, but for `shutdown_delay_s` requests
+    and new connections are still served (a load balancer routes to this gateway until it has seen
+    that), then drain_requests."""
+    app.state.health.shutting_down = True
+    delay_s = app.state.settings.shutdown_delay_s
+    log.info("shutting down: not ready; serving on until the delay is over, then draining",
+             extra={"shutdown_delay_s": delay_s, "shutdown_grace_s": app.state.settings.shutdown_grace_s})
+    await asyncio.sleep(delay_s)
+    await drain_requests(app)
+
+
+def broken_task(app: FastAPI) -> str | None:
+    """Which long-lived task ended while the gateway runs (gateway/tasks.py), else None; the
+    process must then exit for a restart."""
+    health: Health | None = getattr(app.state, "health", None)
+    return health.tasks.ended if health is not None else None
+
+
+def fail_waiting(app: FastAPI) -> None:
+    """A broken gateway's end: no reply can arrive any more, so admission closes and every waiting
+    request gets 503 now, not at its deadline."""
+    app.state.health.shutting_down = app.state.health.admission_closed = True
+    app.state.listener.fail_all(UnavailableError("the gateway lost a background task and restarts; retry"))
 
 
 def _request_id(request: Request) -> str | None:

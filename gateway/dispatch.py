@@ -37,17 +37,21 @@ log = logging.getLogger(__name__)
 
 # Admission, atomic, on the model's hash slot only, and idempotent per request id.
 # KEYS: request stream, the request's admission record (same slot: shared/keys.py). ARGV:
-# queue_bound, entry field, packed request, admission record TTL ms.
+# queue_bound, entry field, packed request, admission record TTL ms, queue_bound_bytes.
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
 #   have run: the record (request id -> entry id, kept RETRY_WINDOW_S + 1 s) makes the re-sent
 #   script answer the first run's entry id instead of enqueueing, and counting, the request twice.
 # - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
 #   bound nothing is added (never trim accepted entries to make room): returns {0, depth}, else {1, id}.
+# - The stream's bytes in Redis (MEMORY USAGE: the entries' listpacks, sampled) plus this entry's
+#   must stay within queue_bound_bytes (ARGV[5]): returns {2, bytes held} past it.
 ADMISSION = """
 local first = redis.call('GET', KEYS[2])
 if first then return {1, first} end
 local depth = redis.call('XLEN', KEYS[1])
 if depth >= tonumber(ARGV[1]) then return {0, depth} end
+local held = redis.call('MEMORY', 'USAGE', KEYS[1]) or 0
+if held + string.len(ARGV[3]) > tonumber(ARGV[5]) then return {2, held} end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
 redis.call('SET', KEYS[2], id, 'PX', ARGV[4])
 return {1, id}
@@ -213,7 +217,8 @@ class Dispatcher:
             check,
             self._scripts.call(self._admission,
                                [self._keys.request_stream(model), self._keys.admission(model, message.request_id)],
-                               [config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS]),
+                               [config.queue_bound, ENTRY_FIELD, message.encode(), ADMISSION_RECORD_TTL_MS,
+                                config.queue_bound_bytes]),
             return_exceptions=True,  # both always finish; the first error is raised below
         )
         recreated, admitted = results
@@ -231,6 +236,10 @@ class Dispatcher:
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
+        if status == 2:
+            raise QueueFullError(  # no entry count to rate: a second, as for a queue that drains at all
+                f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "
+                f"{config.queue_bound_bytes} (queue_bound_bytes)", retry_after_s=1)
 
     @staticmethod
     def _remaining_s(timeout_ms: int, started_ms: float) -> float:

@@ -6,12 +6,13 @@ Each raises a VramguardError; the route's protocol module renders it in its own 
 
 from __future__ import annotations
 
-import unicodedata
 import zlib
 from collections.abc import Collection, Mapping
 
+import regex
 from starlette.requests import ClientDisconnect, Request
 
+from vramguard.gateway.bodybudget import STATE_KEY, BodyHold
 from vramguard.shared.errors import (
     InputTooLongError,
     InvalidInputError,
@@ -22,6 +23,7 @@ from vramguard.shared.errors import (
 from vramguard.shared.models import ModelSpec, ParameterSpec
 
 MAX_TIMEOUT_MS = 3_600_000  # the largest timeout_ms (body) or X-Request-Timeout-Ms (header)
+_VISIBLE = regex.compile(r"[^\p{C}\p{Z}]")  # a character that is neither C* nor Z*
 
 JSON = "application/json"
 _WBITS = {"identity": 0, "gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # zlib's framing per encoding
@@ -90,14 +92,20 @@ class BadBodyError(InvalidInputError):
 
 async def _read_raw(request: Request, limit_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
-    if declared is not None and is_ascii_number(declared, max_digits=19) and int(declared) > limit_bytes:
+    known = declared is not None and is_ascii_number(declared, max_digits=19)
+    if known and int(declared) > limit_bytes:  # type: ignore[arg-type]
         raise PayloadTooLargeError(f"body of {declared} bytes is over the {limit_bytes}-byte limit")
+    hold: BodyHold | None = getattr(request.state, STATE_KEY, None)  # gateway/bodybudget.py
+    if hold is not None and known:
+        hold.take(int(declared))  # type: ignore[arg-type]  # all of it at once: before a byte is read
     body = bytearray()
     try:
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit_bytes:
                 raise PayloadTooLargeError(f"body is over the {limit_bytes}-byte limit")
+            if hold is not None and len(body) > hold.bytes:  # chunked, or longer than declared
+                hold.take(len(body) - hold.bytes)
     except ClientDisconnect as exc:
         raise ClientGoneError(f"the client disconnected after {len(body)} bytes of its body") from exc
     return bytes(body)
@@ -125,27 +133,31 @@ def check_parameters(spec: ModelSpec, parameters: Mapping[str, object]) -> None:
 def check_text_length(spec: ModelSpec, index: int, text: str, truncate: bool) -> str:
     """The gateway's half of the input-length policy for one text input; returns the text to send.
 
-    A text with no visible character is refused like an empty one (InvalidInputError). A text
+    The length policy comes first, so no check reads more than the model can accept: a text
     longer than `spec.max_input_chars` (the most a window of tokens can span) is refused with
     InputTooLongError (413), or cut there when `truncate`: the worker then tokenizes a bounded
-    text, however large the body. The exact token count is the worker's to check.
+    text, however large the body. Then a text with no visible character is refused like an empty
+    one (InvalidInputError). The exact token count is the worker's to check.
     """
-    if not any(_visible(c) for c in text):
-        raise InvalidInputError(f"inputs[{index}]: empty, or only whitespace, invisible or control characters")
     limit = spec.max_input_chars
-    if limit is None or len(text) <= limit:
-        return text
-    if truncate:
-        return text[:limit]
-    raise InputTooLongError(
-        f"inputs[{index}]: {len(text)} characters, more than the {limit} that the model's "
-        f"{spec.max_input_tokens}-token window can span; shorten it or opt into truncation"
-    )
+    if limit is not None and len(text) > limit:
+        if not truncate:
+            raise InputTooLongError(
+                f"inputs[{index}]: {len(text)} characters, more than the {limit} that the model's "
+                f"{spec.max_input_tokens}-token window can span; shorten it or opt into truncation"
+            )
+        text = text[:limit]
+    if not has_visible_character(text):
+        raise InvalidInputError(f"inputs[{index}]: empty, or only whitespace, invisible or control characters")
+    return text
 
 
-def _visible(char: str) -> bool:
-    # Unicode categories C* (control, format such as U+200B, unassigned) and Z* (separators) carry no token.
-    return unicodedata.category(char)[0] not in "CZ"
+def has_visible_character(text: str) -> bool:
+    """Whether `text` holds a character outside Unicode's categories C* (control, format such as
+    U+200B, unassigned) and Z* (separators), which carry no token. One search in the `regex`
+    package's C engine: about 10 ns a character, where a Python loop over 8 MiB of U+200B took
+    seconds of the event loop."""
+    return _VISIBLE.search(text) is not None
 
 
 def header_timeout(value: str | None) -> int | None:

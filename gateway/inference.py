@@ -12,6 +12,7 @@ from typing import cast
 from fastapi import Request
 from pydantic import JsonValue
 
+from vramguard.gateway.bodycost import JsonCounter
 from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import check_parameters
 from vramguard.gateway.metrics import RequestRecord
@@ -28,6 +29,13 @@ def dispatcher_of(request: Request) -> Dispatcher:
 
 def settings_of(request: Request) -> Settings:
     return request.app.state.settings  # type: ignore[no-any-return]
+
+
+async def check_json_cost(request: Request, body: bytes) -> None:
+    """PayloadTooLargeError (413) for a JSON body of more values than the event loop may parse
+    (gateway/bodycost.py); counted off the loop."""
+    counter: JsonCounter = request.app.state.json_counter
+    await counter.check(body)
 
 
 def request_id_of(request: Request) -> RequestId:

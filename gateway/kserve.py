@@ -20,12 +20,20 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
 
-from vramguard.gateway.edge import JSON, BadBodyError, read_body, require_media_type
-from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of, submit
+from vramguard.gateway.edge import (
+    JSON,
+    MAX_TIMEOUT_MS,
+    BadBodyError,
+    is_ascii_number,
+    read_body,
+    require_media_type,
+)
+from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of, submit
 from vramguard.gateway.openapi import error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
-from vramguard.gateway.schemas import jsonable
-from vramguard.shared.errors import ModelNotFoundError
+from vramguard.gateway.routes import has_api_key
+from vramguard.gateway.schemas import check_wire_ints, jsonable
+from vramguard.shared.errors import InvalidInputError, ModelNotFoundError, PayloadTooLargeError
 from vramguard.shared.models import InputKind, ModelSpec, TensorSpec
 
 OCTET = "application/octet-stream"
@@ -35,6 +43,11 @@ PROTOCOL_PARAMETERS = frozenset({"binary_data_output", "timeout", "priority"})
 DTYPES = {"BOOL": "?", "UINT8": "<u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8", "INT8": "<i1",
           "INT16": "<i2", "INT32": "<i4", "INT64": "<i8", "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}
 MODEL_VERSION = "1"
+# Bounds on what a client's tensor header may say, checked while parsing so that no step costs more
+# than linear time in the body (a product of thousands of huge dimensions is quadratic, and its
+# decimal form past 4300 digits raises): dimensions are int64 as in Triton, at most MAX_DIMS of them.
+MAX_DIMS = 8
+Dimension = Annotated[int, Field(le=2**63 - 1)]
 
 router = APIRouter(tags=["kserve-v2"])  # behind the API key when one is set
 health_router = APIRouter(tags=["kserve-v2"])  # open, like /health/*, for probes
@@ -48,7 +61,7 @@ class V2Tensor(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    shape: list[int]
+    shape: Annotated[list[Dimension], Field(max_length=MAX_DIMS)]
     datatype: str
     parameters: dict[str, JsonValue] = Field(default_factory=dict)
     data: JsonValue = None
@@ -88,7 +101,7 @@ async def server_live() -> dict[str, bool]:
 
 @health_router.get("/v2/health/ready", responses=V2_ERRORS)
 async def server_ready(request: Request) -> JSONResponse:
-    """200 when every served model has a live worker (gateway/health.py's readiness), else 503."""
+    """200 when this gateway can serve (gateway/health.py's readiness), else 503."""
     ok, _details = request.app.state.health.readiness()
     return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
 
@@ -107,7 +120,7 @@ async def model_metadata(model: str, request: Request, version: str = MODEL_VERS
 @router.get("/v2/models/{model}/versions/{version}/ready", responses=V2_ERRORS, include_in_schema=False)
 async def model_ready(model: str, request: Request, version: str = MODEL_VERSION) -> JSONResponse:
     _spec(request, model, version)
-    ok, _details = request.app.state.health.model_readiness(model)
+    ok, _details = request.app.state.health.model_readiness(model, detail=has_api_key(request))
     return JSONResponse({"name": model, "ready": ok}, status_code=200 if ok else 503)
 
 
@@ -128,10 +141,14 @@ async def infer(
             raise BadBodyError(f"model {model!r} declares no KServe v2 tensors; use POST /v1/models/{model}/infer")
         require_media_type(request, {JSON, OCTET}, allow_missing=True)  # tritonclient sends none
         body = await read_body(request, settings_of(request).max_body_bytes)
-        parsed, binary = _split_body(body, inference_header_content_length)
-        inputs = _read_input(spec, parsed.inputs, binary)
+        json_length = _json_length(body, inference_header_content_length)
+        await check_json_cost(request, body[:json_length])
+        parsed, binary = _split_body(body, json_length)
+        max_rows = dispatcher_of(request).config_for(model).max_inputs_per_request
+        inputs = _read_input(spec, parsed.inputs, binary, max_rows)
         _check_outputs(spec, parsed)
         parameters = {k: v for k, v in parsed.parameters.items() if k not in PROTOCOL_PARAMETERS}
+        _check_parameter_ints(parameters)
         # A bytes model's binary BYTES elements are its blobs as sent; in JSON they are base64 text.
         raw = bool(inputs) and isinstance(inputs[0], bytes)
         reply = await submit(request, record, inputs, parameters, _timeout_ms(parsed.parameters), raw=raw)
@@ -149,14 +166,19 @@ def _tensor_metadata(tensor: TensorSpec) -> dict[str, object]:
     return {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
 
 
-def _split_body(body: bytes, header_length: str | None) -> tuple[V2InferRequest, bytes]:
+def _json_length(body: bytes, header_length: str | None) -> int:
+    """The length of the JSON part: Inference-Header-Content-Length, else the whole body. Raises
+    BadBodyError (400) for a header that is not a length within the body."""
+    if header_length is None:
+        return len(body)
+    if not is_ascii_number(header_length, max_digits=19) or int(header_length) > len(body):
+        raise BadBodyError(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length "
+                           f"within the {len(body)}-byte body")
+    return int(header_length)
+
+
+def _split_body(body: bytes, json_length: int) -> tuple[V2InferRequest, bytes]:
     """(the JSON part parsed, the binary rest). Raises BadBodyError (400)."""
-    json_length = len(body)
-    if header_length is not None:
-        if not header_length.isascii() or not header_length.isdigit() or int(header_length) > len(body):
-            raise BadBodyError(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length "
-                               f"within the {len(body)}-byte body")
-        json_length = int(header_length)
     try:
         parsed = V2InferRequest.model_validate_json(body[:json_length])
     except ValidationError as exc:
@@ -166,47 +188,52 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[V2InferRequest,
     return parsed, body[json_length:]
 
 
-def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes) -> list[object]:
+def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes, max_rows: int) -> list[object]:
     """The one declared input tensor as native inputs (one per row): JSON values, or bytes for a
-    bytes model's binary BYTES elements. Raises BadBodyError naming the tensor: unknown or
-    missing name, wrong datatype, negative dimension, shape and data disagree."""
+    bytes model's binary BYTES elements. The shape is checked before any element is read, and no
+    more elements are read than it holds, so a tensor costs at most linear time in its rows.
+    Raises BadBodyError naming the tensor: unknown or missing name, wrong datatype, negative
+    dimension, shape and data disagree, an element the datatype cannot hold; PayloadTooLargeError
+    past `max_rows` (the model's max_inputs_per_request)."""
     declared = spec.inputs[0]
     names = [t.name for t in tensors]
     if names != [declared.name]:
-        raise BadBodyError(f"model {spec.name!r} takes one input named {declared.name!r}, got {names}")
+        raise BadBodyError(f"model {spec.name!r} takes one input named {declared.name[:100]!r}, got {names[:8]}")
     tensor = tensors[0]
     if tensor.datatype != declared.datatype:
-        raise BadBodyError(f"input {tensor.name!r}: datatype {tensor.datatype!r}, expected {declared.datatype!r}")
+        raise BadBodyError(f"input {tensor.name!r}: datatype {tensor.datatype[:20]!r}, expected {declared.datatype!r}")
     if not tensor.shape or any(d < 0 for d in tensor.shape):
         raise BadBodyError(f"input {tensor.name!r}: shape {tensor.shape} must be non-empty and non-negative")
-    count = math.prod(tensor.shape)
+    rows, count = tensor.shape[0], math.prod(tensor.shape)  # at most MAX_DIMS int64s: cheap
+    if rows == 0 or count != rows:
+        raise BadBodyError(f"input {tensor.name!r}: one element per row expected, shape {tensor.shape}")
+    if rows > max_rows:
+        raise PayloadTooLargeError(f"{rows} inputs in one request; model {spec.name!r} takes at most {max_rows}")
     size = tensor.parameters.get("binary_data_size")
     if size is not None:
         if isinstance(size, bool) or size != len(binary):  # one input: every byte after the JSON is its
-            raise BadBodyError(f"input {tensor.name!r}: binary_data_size {size!r} disagrees with the "
+            raise BadBodyError(f"input {tensor.name!r}: binary_data_size {str(size)[:40]} disagrees with the "
                                f"{len(binary)} bytes after the JSON header")
-        values = _from_binary(tensor, binary, keep_bytes=spec.input_kind is InputKind.BYTES)
+        values = _from_binary(tensor, binary, count, keep_bytes=spec.input_kind is InputKind.BYTES)
     else:
-        values = _flatten(tensor.data)
+        values = _flatten(tensor.data, count)
     if len(values) != count:
-        raise BadBodyError(f"input {tensor.name!r}: shape {tensor.shape} holds {count} elements, "
-                           f"data has {len(values)}")
-    rows = tensor.shape[0]
-    if rows == 0 or count != rows:
-        raise BadBodyError(f"input {tensor.name!r}: one element per row expected, shape {tensor.shape}")
+        shown = f"{len(values)}" if len(values) <= count else f"more than {count}"
+        raise BadBodyError(f"input {tensor.name!r}: shape {tensor.shape} holds {count} elements, data has {shown}")
     return _typed(tensor, values)
 
 
-def _from_binary(tensor: V2Tensor, raw: bytes, *, keep_bytes: bool) -> list[object]:
-    """The elements of a binary tensor: numbers, or BYTES elements as UTF-8 text (bytes when `keep_bytes`)."""
+def _from_binary(tensor: V2Tensor, raw: bytes, count: int, *, keep_bytes: bool) -> list[object]:
+    """The elements of a binary tensor (at most `count` + 1 read): numbers, or BYTES elements as
+    UTF-8 text (bytes when `keep_bytes`)."""
     if tensor.datatype != "BYTES":
         itemsize = np.dtype(DTYPES[tensor.datatype]).itemsize
-        if len(raw) % itemsize:
-            raise BadBodyError(f"input {tensor.name!r}: {len(raw)} bytes is not a whole number of {tensor.datatype}")
+        if len(raw) % itemsize or len(raw) // itemsize != count:
+            raise BadBodyError(f"input {tensor.name!r}: {len(raw)} bytes are not {count} {tensor.datatype} elements")
         return np.frombuffer(raw, dtype=DTYPES[tensor.datatype]).tolist()  # type: ignore[no-any-return]
     values: list[object] = []
     offset = 0
-    while offset < len(raw):  # each element: 4-byte little-endian length, then the bytes
+    while offset < len(raw) and len(values) <= count:  # each element: 4-byte little-endian length, then the bytes
         if offset + 4 > len(raw):
             raise BadBodyError(f"input {tensor.name!r}: truncated BYTES element length")
         (length,) = struct.unpack_from("<I", raw, offset)
@@ -225,23 +252,48 @@ def _utf8(tensor: V2Tensor, element: bytes) -> str:
         raise BadBodyError(f"input {tensor.name!r}: a BYTES element is not UTF-8 text") from exc
 
 
-def _flatten(data: JsonValue) -> list[object]:
-    if isinstance(data, list):
-        return [v for item in data for v in _flatten(item)]
-    if data is None:
-        return []
-    return [data]
+def _flatten(data: JsonValue, count: int) -> list[object]:
+    """The elements of JSON `data` in row-major order (nested lists flattened, nulls skipped), at
+    most `count` + 1 of them: enough to tell that there are too many."""
+    values: list[object] = []
+    pending: list[JsonValue] = [data]
+    while pending and len(values) <= count:
+        item = pending.pop()
+        if isinstance(item, list):
+            pending.extend(reversed(item))
+        elif item is not None:
+            values.append(item)
+    return values
 
 
 def _typed(tensor: V2Tensor, values: list[object]) -> list[object]:
-    """Each element checked against the datatype (JSON data can hold anything)."""
-    if tensor.datatype == "BYTES":
+    """Each element checked against the datatype (JSON data can hold anything): BYTES strings,
+    BOOL true/false, INT and UINT integers within the type's range (an integral float such as 2.0
+    becomes an int; 2.5 is refused), FP numbers the type can hold (finite, within its range)."""
+    kind = tensor.datatype
+    if kind == "BYTES":
         if not all(isinstance(v, str | bytes) for v in values):  # bytes: binary elements of a bytes model
             raise BadBodyError(f"input {tensor.name!r}: BYTES elements must be strings")
         return values
-    if not all(isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-        raise BadBodyError(f"input {tensor.name!r}: {tensor.datatype} elements must be finite numbers")
-    return values
+    if kind == "BOOL":
+        if not all(isinstance(v, bool) for v in values):
+            raise BadBodyError(f"input {tensor.name!r}: BOOL elements must be true or false")
+        return values
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+        raise BadBodyError(f"input {tensor.name!r}: {kind} elements must be numbers")
+    dtype = np.dtype(DTYPES[kind])
+    if dtype.kind in "iu":
+        limits = np.iinfo(dtype)
+        if not all(float(v).is_integer() if isinstance(v, float) else True for v in values):
+            raise BadBodyError(f"input {tensor.name!r}: {kind} elements must be integers")
+        integers = [int(v) for v in values]  # type: ignore[call-overload]
+        if not all(limits.min <= v <= limits.max for v in integers):
+            raise BadBodyError(f"input {tensor.name!r}: {kind} elements must lie in {limits.min}..{limits.max}")
+        return list(integers)
+    largest = float(np.finfo(dtype).max)  # Python compares a huge int with a float exactly, without overflow
+    if not all(-largest <= v <= largest for v in values):  # type: ignore[operator]  # also refuses nan and inf
+        raise BadBodyError(f"input {tensor.name!r}: {kind} elements must be finite numbers within its range")
+    return [float(v) for v in values]  # type: ignore[arg-type]  # an integral JSON number of 300 digits too
 
 
 def _timeout_ms(parameters: dict[str, JsonValue]) -> int | None:
@@ -251,7 +303,16 @@ def _timeout_ms(parameters: dict[str, JsonValue]) -> int | None:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise BadBodyError("parameters.timeout: a positive integer number of microseconds")
-    return max(1, min(math.ceil(value / 1000), 3_600_000))
+    return max(1, min(-(-value // 1000), MAX_TIMEOUT_MS))  # integer ceil: a float of a 400-digit int overflows
+
+
+def _check_parameter_ints(parameters: dict[str, JsonValue]) -> None:
+    """BadBodyError (400, v2's status for every invalid request) for an integer the wire cannot carry."""
+    try:
+        for name, value in parameters.items():
+            check_wire_ints(value, f"parameters.{name[:100]}")
+    except InvalidInputError as exc:
+        raise BadBodyError(exc.message) from exc
 
 
 def _check_outputs(spec: ModelSpec, parsed: V2InferRequest) -> None:
@@ -266,8 +327,8 @@ def _render(model: str, parsed: V2InferRequest, spec: ModelSpec, outputs: list[o
     request's `binary_data_output`)."""
     declared = spec.outputs[0]
     binary = parsed.parameters.get("binary_data_output") is True
-    if parsed.outputs:
-        binary = parsed.outputs[0].parameters.get("binary_data") is True
+    if parsed.outputs and "binary_data" in parsed.outputs[0].parameters:  # an output's own choice wins
+        binary = parsed.outputs[0].parameters["binary_data"] is True
     tensor: dict[str, Any] = {"name": declared.name, "datatype": declared.datatype}
     head: dict[str, Any] = {"model_name": model, "model_version": MODEL_VERSION, "outputs": [tensor]}
     if parsed.id is not None:

@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
 from vramguard.gateway.queues import QueueStats
+from vramguard.gateway.routes import has_api_key
 from vramguard.shared.clock import now_ms
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys
@@ -54,7 +55,7 @@ async def status_json(request: Request) -> dict[str, object]:
     GPU: its workers (of every model) and their memory summed."""
     health: Health = request.app.state.health
     queues = await _metrics(request).queue_stats()
-    ready, details = health.readiness()
+    ready, details = health.readiness(detail=has_api_key(request))  # an open route: no Redis text without it
     served = request.app.state.settings.served_models
     # Redis just failed the queue read: do not wait for it a second time.
     placed = await placed_workers(request.app.state.redis, request.app.state.keys) if queues is not None else {}

@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
+from vramguard.gateway.tasks import TaskWatch, reconnect
 from vramguard.shared.errors import UnavailableError
 from vramguard.shared.periodic import Periodic
 from vramguard.shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
@@ -78,6 +79,9 @@ class ReplyListener:
         into the new stream and must not be failed with the old ones."""
         lost = [request_id for request_id, generation in self._enqueued.items() if generation == self.generation]
         self.generation += 1
+        # The recreated stream's ids come from the new server's clock, which may be behind the old
+        # one's: read it from its start, or every reply below the old last id would be skipped.
+        self._last_id = b"0-0"
         error = UnavailableError(await describe_data_loss(self._redis))
         for request_id in lost:
             future = self._waiters.get(request_id)
@@ -97,8 +101,14 @@ class ReplyListener:
             await self._ensure_stream()
         except RedisError as exc:
             log.warning("cannot create the reply stream yet; Redis unreachable", extra={"error": str(exc)})
-        self._reader = asyncio.create_task(self._read_loop(), name="reply-listener")
+        self._reader = asyncio.create_task(self._read_loop(), name="reply-reader")
         self._keepalive.start()
+
+    def watch(self, tasks: TaskWatch) -> None:
+        """Put the reader and the keepalive under `tasks` (gateway/tasks.py); call after start()."""
+        assert self._reader is not None and self._keepalive.task is not None
+        tasks.watch(self._reader)
+        tasks.watch(self._keepalive.task)
 
     async def stop(self) -> None:
         """Stop reading and delete the stream. The blocked XREAD is left to return on its own
@@ -127,32 +137,40 @@ class ReplyListener:
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
                 await self.stream_lost()
                 await self._ensure_stream()
-        except RedisError as exc:
-            log.warning("reply stream keepalive failed", extra={"error": str(exc)})
+        except Exception as exc:  # any error, as in _read_loop; the next beat tries again
+            log.warning("reply stream keepalive failed", extra={"error": repr(exc)})
 
     async def _read_loop(self) -> None:
         backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         failures = 0
         while not self._stopping:
+            generation = self.generation
             try:
                 response = await self._blocking.xread(
                     {self.stream: self._last_id}, count=READ_COUNT, block=self._settings.block_ms
                 )
+                streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None, response)
+                for _stream, entries in streams or ():
+                    await self._deliver(entries, advance=generation == self.generation)
                 failures = 0
-            except RedisError as exc:
+            except Exception as exc:
+                # Any error, not only RedisError: a reply of an unexpected shape fails in redis-py's
+                # parsing (TypeError, ValueError), and a cluster client raises RedisClusterException.
+                # A reader that ended here would leave every request of this gateway to its deadline.
                 failures += 1
-                log.warning("reply read failed", extra={"error": str(exc), "failures": failures})
+                log.warning("reply read failed; reconnecting",
+                            extra={"error": repr(exc), "failures": failures})
+                await reconnect(self._blocking)
                 await asyncio.sleep(backoff.compute(failures))
-                continue
-            streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]] | None, response)
-            for _stream, entries in streams or ():
-                await self._deliver(entries)
 
-    async def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]]) -> None:
+    async def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]], *, advance: bool) -> None:
+        """Resolve the futures of `entries`; `advance`: move the read position past them (not for
+        a read issued before the stream was recreated: the new stream is read from its start)."""
         ids = []
         for entry_id, fields in entries:
             ids.append(entry_id)
-            self._last_id = entry_id
+            if advance:
+                self._last_id = entry_id
             data = fields.get(ENTRY_FIELD)
             if data is None:
                 continue  # the init entry

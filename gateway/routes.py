@@ -14,7 +14,14 @@ from starlette.datastructures import Headers
 
 from vramguard.gateway.edge import JSON, header_timeout, read_body, require_media_type
 from vramguard.gateway.health import Health
-from vramguard.gateway.inference import dispatcher_of, inference_request, request_id_of, settings_of, submit
+from vramguard.gateway.inference import (
+    check_json_cost,
+    dispatcher_of,
+    inference_request,
+    request_id_of,
+    settings_of,
+    submit,
+)
 from vramguard.gateway.openapi import NATIVE_ERRORS, error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
 from vramguard.gateway.schemas import (
@@ -34,13 +41,19 @@ async def require_api_key(request: Request) -> None:
     `X-API-Key: <key>`; else UnauthorizedError (401). Compared in constant time. A coroutine
     although it never awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
     hop per request."""
+    if settings_of(request).api_key is not None and not has_api_key(request):
+        raise UnauthorizedError("missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+
+
+def has_api_key(request: Request) -> bool:
+    """Whether the request carries `Settings.api_key` (False when none is set: then nothing is
+    behind a key). Open routes show internal detail (Redis' error text) only to such a request."""
     key = settings_of(request).api_key
     if key is None:
-        return
+        return False
     expected = key.get_secret_value().encode()
     # Header values arrive as latin-1 text (ASGI); back to their bytes, as the client sent them.
-    if not any(secrets.compare_digest(given.encode("latin-1"), expected) for given in _presented_keys(request.headers)):
-        raise UnauthorizedError("missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'")
+    return any(secrets.compare_digest(given.encode("latin-1"), expected) for given in _presented_keys(request.headers))
 
 
 async def assign_request_id(request: Request) -> None:
@@ -109,6 +122,7 @@ async def _infer(model: str, request: Request, x_request_timeout_ms: str | None)
         if _media_type(request) in spec.raw_content_types:
             reply = await submit(request, record, *_raw_request(body, request), header_ms, raw=True)
         else:
+            await check_json_cost(request, body)
             parsed = parse_infer_request(body)
             reply = await submit(request, record, list(parsed.inputs), dict(parsed.parameters),
                                  parsed.timeout_ms or header_ms)
@@ -139,9 +153,9 @@ async def live() -> dict[str, str]:
 @health_router.get("/health/ready")
 @health_router.head("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: Redis answers and every served model has a worker with a fresh heartbeat and a
-    recent successful probe; else 503 with the reasons."""
-    ok, details = _health(request).readiness()
+    """Readiness: this gateway can serve (gateway/health.py: Redis answers, its tasks run, a served
+    model has a live worker); else 503 with the reasons. Redis' own error text only with the API key."""
+    ok, details = _health(request).readiness(detail=has_api_key(request))
     return JSONResponse(details, status_code=200 if ok else 503)
 
 
@@ -149,7 +163,7 @@ async def ready(request: Request) -> JSONResponse:
 async def model_ready(model: str, request: Request) -> JSONResponse:
     """Per-model readiness: a worker of `model` with a fresh heartbeat and a recent successful probe."""
     dispatcher_of(request).check_model(model)
-    ok, details = _health(request).model_readiness(model)
+    ok, details = _health(request).model_readiness(model, detail=has_api_key(request))
     return JSONResponse(details, status_code=200 if ok else 503)
 
 

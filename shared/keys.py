@@ -8,6 +8,7 @@
     <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
     <prefix>:placement            a `vramguard up` stack's placed worker processes and their last exits (hash)
+    <prefix>:startfail:{<model>}  hash worker_id -> why its last start failed (JSON; expires)
     <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
@@ -54,6 +55,8 @@ class Keys:
         """worker_id -> JSON {model, program, device, exit?, reason?, exited_ms?}, written by the launcher
         (vramguard/cli/placed.py) and read by the status page."""
         return f"{self.prefix}:placement"
+    def start_failures(self, model: str) -> str:
+        return f"{self.prefix}:startfail:{{{model}}}"
 
     def executions(self, model: str) -> str:
         return f"{self.prefix}:exec:{{{model}}}"

@@ -47,6 +47,9 @@ class ModelConfig(BaseModel):
     max_wait_ms: the batch window, measured from the first entry of a batch.
     default_timeout_ms: a request's deadline when the client names none.
     queue_bound: queued + in-flight entries past which the gateway answers 429.
+    queue_bound_bytes: bytes the model's request stream may hold in Redis (its MEMORY USAGE), queued and
+        in flight, past which the gateway answers 429: entries alone do not bound Redis' memory (160
+        requests of 6.5 MB fill a 1 GB Redis). The models' bounds together must fit Redis' maxmemory.
     max_inflight_batches: forwards one worker may run at once (1 = strictly serial).
     max_inputs_per_request: inputs one request may carry; the gateway answers 413 past it, before enqueueing.
     forward_timeout_s: a forward running longer means it hung (worker/hang.py); None derives it from
@@ -64,6 +67,7 @@ class ModelConfig(BaseModel):
     max_wait_ms: float = Field(5.0, ge=0, le=10_000)
     default_timeout_ms: int = Field(30_000, ge=1)
     queue_bound: int = Field(1000, ge=1)
+    queue_bound_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     max_inflight_batches: int = Field(1, ge=1, le=64)
     max_inputs_per_request: int = Field(256, ge=1)
     forward_timeout_s: float | None = Field(None, gt=0)
@@ -93,6 +97,7 @@ class ModelOverrides(BaseModel):
     max_wait_ms: float | None = None
     default_timeout_ms: int | None = None
     queue_bound: int | None = None
+    queue_bound_bytes: int | None = None
     max_inflight_batches: int | None = None
     max_inputs_per_request: int | None = None
     forward_timeout_s: float | None = None

@@ -29,6 +29,11 @@ class Periodic:
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=self.name)
 
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The running loop's task (None before `start`), for a watcher of long-lived tasks."""
+        return self._task
+
     async def _loop(self) -> None:
         while not self._stop.is_set():
             try:

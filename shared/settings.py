@@ -79,9 +79,21 @@ class Settings(BaseSettings):
     reply_stream_ttl_s: int = Field(60, ge=5)  # a dead gateway's reply stream expires after this
     reply_stream_maxlen: int = Field(10_000, ge=100)
     shutdown_grace_s: float = Field(10.0, gt=0)
+    # Gateway: after SIGTERM it keeps serving this long, readiness failing, before its drain: a
+    # load balancer (a Kubernetes Service) keeps sending it new connections until it has seen the
+    # readiness fail or the endpoint removal; 0 (supervisor, compose): drain at once.
+    shutdown_delay_s: float = Field(0.0, ge=0, le=600)
 
     # --- HTTP ---
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
+    # JSON values (scalars, lists, objects) one request body may hold: parsing builds one Python object
+    # each on the event loop (gateway/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
+    max_json_values: int = Field(65_536, ge=1024)
+    # Request body bytes one gateway process holds at once (gateway/bodybudget.py), at least one
+    # body at the cap. 96 MiB: a request holds about 4.6 x its body in memory (body, parsed inputs,
+    # packed request: measured), so 442 MiB, plus the process (82 MiB) and its JSON counting
+    # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (README "Run on Kubernetes").
+    max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
     access_log: bool = False
     # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
@@ -220,6 +232,18 @@ class Settings(BaseSettings):
                     for e in exc.errors()
                 )
                 raise ValueError(detail) from None
+        return self
+
+    @model_validator(mode="after")
+    def _check_body_bounds(self) -> Settings:
+        # One body at the cap must always fit, in the gateway and in a model's queue.
+        if self.max_inflight_body_bytes < self.max_body_bytes:
+            raise ValueError(f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                             f"max_body_bytes ({self.max_body_bytes})")
+        for name in self.served_models:
+            if self.model_config_for(name).queue_bound_bytes < self.max_body_bytes:
+                raise ValueError(f"{ENV_PREFIX}MODELS__{name.upper()}__QUEUE_BOUND_BYTES must be at least "
+                                 f"max_body_bytes ({self.max_body_bytes})")
         return self
 
     @field_validator("api_key")

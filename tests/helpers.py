@@ -125,6 +125,7 @@ class Stack:
         self.port = free_port()
         self.gateway: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.models: set[str] = set()  # the models of the workers started: wait_ready waits for each
         self._log_files: list[object] = []
 
     @property
@@ -154,16 +155,20 @@ class Stack:
         settings = {"worker_name": f"test-worker-{index}", **extra}
         proc = self._spawn("vramguard.worker", f"worker-{index}", environ, **settings)
         self.workers.append(proc)
+        self.models.add(str(settings.get("model", self.settings.get("model", "minilm"))))
         return proc
 
     async def wait_ready(self, timeout_s: float = 90) -> None:
         async with httpx.AsyncClient(base_url=self.url) as client:
 
             async def ready() -> bool:
+                # The gateway is ready once one model can serve; the stack once each model can.
                 try:
-                    return (await client.get("/health/ready")).status_code == 200
+                    response = await client.get("/health/ready")
                 except httpx.HTTPError:
                     return False
+                models = response.json().get("models", {})
+                return response.status_code == 200 and all(models.get(m, {}).get("ready", True) for m in self.models)
 
             try:
                 await wait_until(ready, timeout_s, interval_s=0.2)

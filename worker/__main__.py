@@ -18,6 +18,7 @@ from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
 from vramguard.worker.models import BackendContractError
 from vramguard.worker.runner import ExitCode, Worker  # no torch import: cheap enough for --help
+from vramguard.worker.startfail import report_start_failure
 
 
 def exit_codes_help() -> str:
@@ -45,15 +46,20 @@ def main(argv: list[str] | None = None) -> int:
     except BackendContractError as exc:  # the user's to fix; no traceback, the message says what
         logging.getLogger("worker").error("model is not servable", extra={"error": str(exc)})
         print(f"vramguard worker: {exc}", file=sys.stderr)
+        asyncio.run(report_start_failure(settings, ExitCode.MODEL_INVALID, str(exc)))
         return ExitCode.MODEL_INVALID
     except Exception as exc:
         logging.getLogger("worker").exception("model failed to load", extra={"error": f"{type(exc).__name__}: {exc}"})
+        asyncio.run(report_start_failure(settings, ExitCode.STARTUP_FAILED, f"{type(exc).__name__}: {exc}"))
         return ExitCode.STARTUP_FAILED
 
     async def _main() -> int:
         worker = Worker(settings, backend)
         worker.install_signal_handlers()
-        return await worker.run()
+        code = await worker.run()
+        if code in (ExitCode.STARTUP_FAILED, ExitCode.MODEL_INVALID) and worker.stats.state != "ready":
+            await report_start_failure(settings, code, worker.start_error or f"{code.name}; see the worker's log")
+        return code
 
     code = asyncio.run(_main())
     if code == ExitCode.CUDA_CONTEXT_LOST:

@@ -94,6 +94,7 @@ class Worker:
         self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
+        self.start_error: str | None = None  # why the start failed (worker/startfail.py reports it)
         self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
         # Entries of batches being served (kept fresh by reclaim), counted: with concurrent
         # batches two slices of one large entry may be in flight at once.
@@ -155,20 +156,25 @@ class Worker:
         except PlacementError as exc:
             await clock.stop()
             log.error("memory share refused: the GPU is already fully shared", extra={"error": str(exc)})
+            self.start_error = "memory share refused: the GPU is already fully shared" + f": {exc}"
             return ExitCode.STARTUP_FAILED
         except (MemoryPlanError, CudaContextLost) as exc:  # the warmup itself may not fit
             await clock.stop()
             log.error("memory budget too small or device failed at start", extra={"error": str(exc)})
+            self.start_error = "memory budget too small or device failed at start" + f": {exc}"
             return ExitCode.STARTUP_FAILED
         except (RedisError, RuntimeError) as exc:
             await clock.stop()
             log.error("cannot use Redis at start", extra={"error": str(exc)})
+            self.start_error = "cannot use Redis at start" + f": {exc}"
             return ExitCode.STARTUP_FAILED
         except BackendContractError as exc:
             log.error("model does not follow its declared contract", extra={"error": str(exc)})
+            self.start_error = "model does not follow its declared contract" + f": {exc}"
             return ExitCode.MODEL_INVALID
         except UnavailableError as exc:  # an engine the model calls is down: a restart may find it up
             log.error("a service the model needs is unavailable at start", extra={"error": exc.message})
+            self.start_error = "a service the model needs is unavailable at start" + f": {exc.message}"
             return ExitCode.STARTUP_FAILED
         budget = self.budget
         assert budget is not None

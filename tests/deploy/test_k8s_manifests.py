@@ -130,7 +130,8 @@ def test_grace_periods_exceed_the_drain_and_no_password_is_in_a_manifest(overlay
     for deployment in by_kind(docs, "Deployment"):
         pod = deployment["spec"]["template"]["spec"]
         container = pod["containers"][0]
-        grace_s = float(env_settings(docs, container)["VRAMGUARD_SHUTDOWN_GRACE_S"])
+        values = env_settings(docs, container)
+        grace_s = float(values["VRAMGUARD_SHUTDOWN_GRACE_S"]) + float(values.get("VRAMGUARD_SHUTDOWN_DELAY_S", 0))
         assert pod["terminationGracePeriodSeconds"] > grace_s
         url = next(e for e in container["env"] if e["name"] == "VRAMGUARD_REDIS_URL")
         assert url["valueFrom"]["secretKeyRef"]["name"] == "vramguard-redis"
@@ -153,3 +154,19 @@ def test_gpu_overlay_gives_each_worker_one_gpu_and_probes_its_heartbeat() -> Non
     probes = gateway["spec"]["template"]["spec"]["containers"][0]
     assert (probes["readinessProbe"]["httpGet"]["path"], probes["livenessProbe"]["httpGet"]["path"]) == (
         "/health/ready", "/health/live")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_serves_through_a_rollout_and_its_settings_hold(overlay: str) -> None:
+    """On SIGTERM the gateway serves on until its readiness probe has failed (periodSeconds x
+    failureThreshold) with seconds to spare for the endpoint change to spread; its settings (the
+    body bounds among them) are valid Settings."""
+    docs = render(overlay)
+    gateway = next(d for d in by_kind(docs, "Deployment") if "gateway" in d["metadata"]["name"])
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    values = env_settings(docs, container)
+    probe = container["readinessProbe"]
+    assert float(values["VRAMGUARD_SHUTDOWN_DELAY_S"]) >= probe["periodSeconds"] * probe["failureThreshold"] + 5
+    settings = Settings(**{k.removeprefix("VRAMGUARD_").lower(): v for k, v in values.items()})  # type: ignore[arg-type]
+    assert settings.max_inflight_body_bytes <= 100 * 2**20  # the 1Gi arithmetic in gateway.yaml
+    assert container["resources"]["limits"]["memory"] == "1Gi"

@@ -35,7 +35,8 @@ async def test_readiness_flips_when_the_only_worker_stops_and_returns(settings_f
     4. It comes back: 200."""
     async with synthetic_gateway(settings_factory) as gw:
         body = (await gw.get("/health/ready")).json()
-        assert body["reasons"] == ["model synthetic: no live worker"]
+        assert body["reasons"] == ["no served model has a live worker"]
+        assert body["models"]["synthetic"]["reasons"] == ["no live worker"]
         assert await status(gw, "/v1/models/synthetic/ready") == 503
         handle = await start_worker(model="synthetic", worker_name="only")
         await wait_until(lambda: status_is(gw, "/health/ready", 200), 10)

@@ -1,0 +1,88 @@
+"""What parsing a JSON body may cost the event loop. Parsing builds one Python object per JSON value,
+on the event loop and holding the GIL (pydantic's parser, like every C parser, releases it never):
+an 8 MiB body of `[],[],...` is 2.8 million lists, seconds of CPU during which no other client of
+the process, health probes included, gets an answer. So a body is parsed on the loop only when it
+holds at most `Settings.max_json_values` values (65,536 by default: tens of ms at worst); a larger
+body is first counted in a helper process (`JsonCounter`), off the loop, and refused with 413 when
+it holds more. Bodies up to INLINE_BYTES cannot hold more than a bounded number of values and are
+not sent there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from vramguard.shared.errors import PayloadTooLargeError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+# Below this a body is parsed on the loop without counting: at most INLINE_BYTES / 3 values (`[],`),
+# 21,845, a few ms of parsing.
+INLINE_BYTES = 64 * 1024
+
+
+def count_json_values(body: bytes) -> int | None:
+    """The number of JSON values in `body` (every scalar, list and object counts one; a key does
+    not), or None when it is not JSON (the route's own parser answers that). Runs in the helper
+    process: parsing there costs the event loop nothing."""
+    try:
+        document = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    count = 0
+    pending = [document]
+    while pending:
+        value = pending.pop()
+        count += 1
+        if isinstance(value, list):
+            pending.extend(value)
+        elif isinstance(value, dict):
+            pending.extend(value.values())
+    return count
+
+
+class JsonCounter:
+    """Refuses, off the event loop, a JSON body of more than `max_values` values (`check`). One
+    helper process (spawned, so it shares nothing with the loop's threads), started by `start`;
+    bodies queue for it, so a flood of large bodies slows large bodies only."""
+
+    def __init__(self, max_values: int) -> None:
+        self.max_values = max_values
+        self._pool: ProcessPoolExecutor | None = None
+
+    def start(self) -> None:
+        """Start the helper process in the background (a spawned interpreter takes a second or
+        more to start), so the first large body does not wait for all of it."""
+        # Niced: on a busy host the event loop's process, not the counting, gets the CPU first.
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
+                                         initializer=os.nice, initargs=(10,))
+        self._pool.submit(count_json_values, b"[]")
+
+    def stop(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    async def check(self, body: bytes, where: str = "body") -> None:
+        """Raise PayloadTooLargeError (413) when the JSON `body` holds more than `max_values` values;
+        UnavailableError (503) when the helper process died (it is restarted for the next body)."""
+        if len(body) <= INLINE_BYTES:
+            return
+        if self._pool is None:
+            self.start()
+        assert self._pool is not None
+        try:
+            count = await asyncio.get_running_loop().run_in_executor(self._pool, count_json_values, body)
+        except BrokenProcessPool as exc:  # killed (out of memory?): a new one for the next body
+            log.error("the JSON counting process died; restarting it", extra={"error": repr(exc)})
+            self.stop()
+            raise UnavailableError("the gateway could not check this body's size; retry") from exc
+        if count is not None and count > self.max_values:
+            raise PayloadTooLargeError(f"{where} holds {count} JSON values, more than the {self.max_values} "
+                                       f"one request may hold (VRAMGUARD_MAX_JSON_VALUES)")
