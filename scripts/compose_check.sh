@@ -103,6 +103,7 @@ base_image() {
         || { tail -n 20 "$WORK/debootstrap.log" >&2; log "debootstrap failed"; exit 1; }
     cp /etc/resolv.conf "$rootfs/etc/resolv.conf"
     # The way out to PyPI may be a TLS proxy with its own CA: the machine's extra CAs go in too.
+    mkdir -p "$rootfs/usr/local/share/ca-certificates"
     cp /usr/local/share/ca-certificates/*.crt "$rootfs/usr/local/share/ca-certificates/" 2>/dev/null || true
     # python3.11-venv in a second step: debootstrap --include refuses it (a virtual package in its deps).
     chroot "$rootfs" sh -c 'apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
@@ -110,12 +111,9 @@ base_image() {
         && update-ca-certificates >/dev/null && python3.11 -m venv /opt/python \
         && apt-get clean && rm -rf /var/lib/apt/lists/*' 2>&1 | grep -v -e '^debconf:' -e '/dev/pts' >&2 || true
     # Debian's python refuses `pip install` (PEP 668); the official image's does not: a venv first on PATH.
-    # Debian's pip in that venv trusts certifi's CAs, not the system's: PIP_CERT points it (and the pips
-    # of isolated builds, which inherit the environment) at the system bundle with the machine's CAs.
     tar -C "$rootfs" -c . | "$DOCKER" import \
         --change 'ENV PATH=/opt/python/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-        --change 'ENV LANG=C.UTF-8' --change 'ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt' \
-        --change 'CMD ["python3"]' - vramguard-ci/base >/dev/null
+        --change 'ENV LANG=C.UTF-8' --change 'CMD ["python3"]' - vramguard-ci/base >/dev/null
     "$DOCKER" run --rm --network host vramguard-ci/base python -c 'import sys; assert sys.version_info[:2] == (3, 11)' \
         || { log "the base stand-in has no python3.11"; exit 1; }
     rm -rf "$rootfs"
@@ -138,8 +136,8 @@ DOCKERFILE
 
 serve_torch_wheel() {
     mkdir -p "$WORK/wheels"
-    "$PY" -m pip download --quiet --no-deps --dest "$WORK/wheels" "torch==${TORCH_VERSION:-2.13.0}" 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
+    "$PY" -m pip download --quiet --no-deps --dest "$WORK/wheels" "torch==${TORCH_VERSION:-2.13.0}" \
+        >"$WORK/pip-download.log" 2>&1 || { cat "$WORK/pip-download.log" >&2; log "no torch wheel"; exit 1; }
     local port
     port=$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
     "$PY" -m http.server --bind 127.0.0.1 --directory "$WORK/wheels" "$port" >/dev/null 2>&1 &

@@ -29,7 +29,9 @@ from prometheus_client.parser import text_string_to_metric_families
 DOCKER = os.environ.get("DOCKER", "docker")
 WORKER = "vramguard-worker-cpu"
 READY_TIMEOUT_S = 300.0  # first start: torch import and minilm load on a busy 2-core machine
-BACK_TIMEOUT_S = 180.0
+# A restarted worker container starts supervisor, imports torch and measures its memory plan again
+# (62 s seen on a loaded 2-core machine): the request sent meanwhile gets a deadline past that.
+BACK_TIMEOUT_S = 300.0
 TEXTS = ["a sentence", "another one"]
 
 
@@ -70,7 +72,8 @@ def ready(client: httpx.Client) -> bool:
 
 def infer(client: httpx.Client) -> None:
     """One real minilm request: 200 and one 384-float embedding per input, else CheckFailed."""
-    reply = client.post("/v1/models/minilm/infer", json={"inputs": TEXTS}, timeout=BACK_TIMEOUT_S)
+    reply = client.post("/v1/models/minilm/infer", json={"inputs": TEXTS}, timeout=BACK_TIMEOUT_S + 10,
+                        headers={"X-Request-Timeout-Ms": str(int(BACK_TIMEOUT_S * 1000))})
     if reply.status_code != 200:
         raise CheckFailed(f"infer answered {reply.status_code}: {reply.text[:500]}")
     outputs = reply.json()["outputs"]
