@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING
 
 from vramguard.shared.clock import clock_offset_ms
@@ -40,6 +40,7 @@ ATTR_OUTCOME = "vramguard.outcome"  # as the requests_total label: ok or the err
 ATTR_QUEUE_BOUND = "vramguard.queue_bound"
 
 _tracer: Tracer | None = None
+_OFF: AbstractContextManager[None] = nullcontext()  # reentrant: one for every block while tracing is off
 
 
 class TracingError(RuntimeError):
@@ -96,34 +97,31 @@ def set_tracer(value: Tracer | None) -> None:
     _tracer = value
 
 
-@contextmanager
-def server_span(headers: Mapping[str, str], model: str, request_id: str) -> Iterator[Span | None]:
+def server_span(headers: Mapping[str, str], model: str, request_id: str) -> AbstractContextManager[Span | None]:
     """The gateway's span of one inference request, current while the block runs, continuing the
     client's trace when `headers` carry a W3C `traceparent`. Yields None when tracing is off."""
-    if _tracer is None:
-        yield None
-        return
+    return _OFF if _tracer is None else _server_span(_tracer, headers, model, request_id)
+
+
+def child_span(name: str, attributes: Mapping[str, str | int | float | bool] | None = None,
+               ) -> AbstractContextManager[Span | None]:
+    """A span under the current one (the gateway's admission and reply wait); yields None when off."""
+    return _OFF if _tracer is None else _tracer.start_as_current_span(name, attributes=attributes)
+
+
+@contextmanager
+def _server_span(tracer: Tracer, headers: Mapping[str, str], model: str, request_id: str) -> Iterator[Span]:
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
 
-    with _tracer.start_as_current_span("vramguard.request", context=propagate.extract(headers), kind=SpanKind.SERVER,
-                                       attributes={ATTR_MODEL: model, ATTR_REQUEST_ID: request_id}) as span:
+    with tracer.start_as_current_span("vramguard.request", context=propagate.extract(headers), kind=SpanKind.SERVER,
+                                      attributes={ATTR_MODEL: model, ATTR_REQUEST_ID: request_id}) as span:
         try:
             yield span
         except BaseException as exc:  # the SDK records it and marks the span an error; the code says which
             span.set_attribute(ATTR_OUTCOME, str(getattr(exc, "code", type(exc).__name__)))
             raise
         span.set_attribute(ATTR_OUTCOME, "ok")
-
-
-@contextmanager
-def child_span(name: str, attributes: Mapping[str, str | int | float | bool] | None = None) -> Iterator[Span | None]:
-    """A span under the current one (the gateway's admission and reply wait); None when off."""
-    if _tracer is None:
-        yield None
-        return
-    with _tracer.start_as_current_span(name, attributes=attributes) as span:
-        yield span
 
 
 def carrier() -> dict[str, str] | None:

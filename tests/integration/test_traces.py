@@ -170,37 +170,35 @@ async def test_one_request_is_one_trace_across_gateway_stream_and_worker(stack: 
 
 @pytest.mark.slow
 async def test_a_reclaimed_request_shows_both_deliveries_in_its_trace(stack: Stack, receiver: Receiver) -> None:
-    """1. A worker whose forwards take 20 s takes a request (its queued span is exported), and is
-       SIGKILLed mid-forward.
-    2. Its successor starts under the same consumer name (as supervisor restarts it), claims the
-       pending entry (delivery 2) and answers it.
+    """1. A worker with fault injection on takes a {"fault": "hang"} request, whose forward never
+       returns; once its queued span is exported the worker is SIGKILLed.
+    2. Its successor starts under the same consumer name (as supervisor restarts it), without fault
+       injection, claims the pending entry (delivery 2) and answers it (the synthetic model echoes).
     Result: the client gets 200, and the request's one trace holds both deliveries' queued spans
-    (delivery_count 1 and 2) under the gateway's request span, the batch that answered it with
-    delivery_count 2."""
-    stack.start_gateway(otel_env(receiver), served_models="synthetic")
-    slow = stack.start_worker(otel_env(receiver), model="synthetic", worker_name="traced",
-                              models__synthetic__params='{"batch_ms": 20000}')
+    (delivery_count 1 and 2) under the gateway's request span, and the batch that answered it,
+    with delivery_count 2."""
+    stack.start_gateway(otel_env(receiver), served_models="synthetic", fault_injection="true")
+    hung = stack.start_worker(otel_env(receiver), model="synthetic", worker_name="traced", fault_injection="true")
     await stack.wait_ready()
-    async with httpx.AsyncClient(base_url=stack.url, timeout=90) as client:
-        pending = client.post("/v1/models/synthetic/infer", json={"inputs": [7]},
-                              headers={"X-Request-Timeout-Ms": "60000"})
-        answer = asyncio.ensure_future(pending)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        answer = asyncio.ensure_future(client.post("/v1/models/synthetic/infer", json={"inputs": [{"fault": "hang"}]},
+                                                   headers={"X-Request-Timeout-Ms": "100000"}))
 
-        def first_queued() -> list[Span]:
+        def queued() -> list[Span]:
             return [s for s in receiver.spans if s.name == "vramguard.queued"]
 
-        await wait_until(lambda: bool(first_queued()), 30)
-        slow.kill()
-        slow.wait()
-        stack.start_worker(otel_env(receiver), model="synthetic", worker_name="traced")
+        await wait_until(lambda: bool(queued()), 30)
+        hung.kill()
+        hung.wait()
+        stack.start_worker(otel_env(receiver), model="synthetic", worker_name="traced", fault_injection="false")
         reply = await answer
-    assert reply.status_code == 200 and reply.json()["outputs"] == [7], reply.text
-    trace_id = first_queued()[0].trace_id
+    assert reply.status_code == 200 and reply.json()["outputs"] == [{"fault": "hang"}], reply.text
+    trace_id = queued()[0].trace_id
     spans = await spans_of(receiver, trace_id, {"vramguard.request": 1, "vramguard.queued": 2, "vramguard.batch": 1})
     (root,) = spans["vramguard.request"]
-    queued = sorted(spans["vramguard.queued"], key=lambda s: int(str(s.attributes["vramguard.delivery_count"])))
-    assert [s.attributes["vramguard.delivery_count"] for s in queued] == [1, 2]
-    assert all(s.parent_id == root.span_id for s in queued) and queued[0].span_id != queued[1].span_id
+    first, second = sorted(spans["vramguard.queued"], key=lambda s: int(str(s.attributes["vramguard.delivery_count"])))
+    assert (first.attributes["vramguard.delivery_count"], second.attributes["vramguard.delivery_count"]) == (1, 2)
+    assert first.parent_id == second.parent_id == root.span_id and first.span_id != second.span_id
     (batch,) = spans["vramguard.batch"]
     assert batch.parent_id == root.span_id and batch.attributes["vramguard.delivery_count"] == 2
     assert root.attributes["vramguard.request_id"] == reply.json()["request_id"]
