@@ -75,6 +75,8 @@ def record_group(entries: Sequence[Entry], times: GroupTimes, batch: Attributes,
     active = tracer()
     if active is None:
         return
+    from opentelemetry.trace import set_span_in_context
+
     for entry in entries:
         msg = entry.message
         parent = remote_context(msg.trace) if msg is not None else None
@@ -84,8 +86,6 @@ def record_group(entries: Sequence[Entry], times: GroupTimes, batch: Attributes,
                                  attributes={**batch, ATTR_MODEL: msg.model, ATTR_REQUEST_ID: msg.request_id,
                                              "vramguard.worker_id": worker_id,
                                              "vramguard.delivery_count": entry.delivery_count})
-        from opentelemetry.trace import set_span_in_context
-
         inside = set_span_in_context(span)
         active.start_span("vramguard.forward", context=inside, start_time=times.forward_start_ns).end(
             end_time=times.forward_end_ns)
