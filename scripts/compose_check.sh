@@ -40,9 +40,10 @@ mkdir -p "$DOCKER_CONFIG/cli-plugins"
 ln -s "$COMPOSE" "$DOCKER_CONFIG/cli-plugins/docker-compose"
 # What dockerd writes outside its data root; whichever of these is not here now is removed at the end.
 LEFTOVERS=(/etc/docker /run/docker /run/containerd /run/runc /run/xtables.lock)
-CGROUP_ROOTS=(/sys/fs/cgroup/*/docker /sys/fs/cgroup/docker)
+# dockerd's cgroup folder under each hierarchy (cgroup v1 and v2), expanded when called.
+cgroup_roots() { compgen -G '/sys/fs/cgroup/*/docker'; compgen -G '/sys/fs/cgroup/docker'; true; }
 declare -A EXISTED=()
-for path in "${LEFTOVERS[@]}" "${CGROUP_ROOTS[@]}"; do [ -e "$path" ] && EXISTED[$path]=1; done
+for path in "${LEFTOVERS[@]}" $(cgroup_roots); do [ -e "$path" ] && EXISTED[$path]=1; done
 DOCKERD_PID=""
 WHEELS_PID=""
 
@@ -67,9 +68,17 @@ cleanup() {
     awk -v w="$WORK" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r | xargs -r -n1 umount -l
     rm -rf "$WORK"
     for path in "${LEFTOVERS[@]}"; do [ -z "${EXISTED[$path]:-}" ] && rm -rf "$path"; done
-    for path in "${CGROUP_ROOTS[@]}"; do
-        [ -d "$path" ] && [ -z "${EXISTED[$path]:-}" ] && find "$path" -depth -type d -exec rmdir {} + 2>/dev/null
+    for path in $(cgroup_roots); do  # cgroup folders go with rmdir, innermost first
+        [ -z "${EXISTED[$path]:-}" ] && find "$path" -depth -type d -exec rmdir {} + 2>/dev/null
     done
+    local left=()
+    for path in "${LEFTOVERS[@]}" $(cgroup_roots) "$WORK"; do
+        [ -e "$path" ] && [ -z "${EXISTED[$path]:-}" ] && left+=("$path")
+    done
+    if [ ${#left[@]} -gt 0 ]; then
+        log "left on the machine: ${left[*]}"
+        [ "$status" = 0 ] && status=1
+    fi
     log "cleaned up (exit $status)"
     exit $status
 }
