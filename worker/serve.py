@@ -29,7 +29,7 @@ from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batcher import Entry, Held, Slice
 from vramguard.worker.costing import group_by_cost
 from vramguard.worker.execlog import ExecutionLog
-from vramguard.worker.execute import CudaContextLost, ItemResult, run_batch
+from vramguard.worker.execute import BatchStats, CudaContextLost, ItemResult, run_batch
 from vramguard.worker.hang import HangGuard
 from vramguard.worker.heartbeat import WorkerStats
 from vramguard.worker.memory import MemoryBudget
@@ -228,12 +228,17 @@ class BatchServer:
         await self._publish(redis, outgoing, [part.entry_id for part, _parts in completed], [])
         times.publish_end_ns = time.time_ns()
         if tracer() is not None:
-            record_group([part.entry for part, _parts in group], times,
-                         {"vramguard.batch.size": len(items), "vramguard.batch.requests": len(group),
-                          "vramguard.batch.cost": sum(costs), "vramguard.batch.forwards": stats.forwards,
-                          "vramguard.batch.oom_events": stats.oom_events,
-                          **plan_attributes(self.budget, len(items), max(costs, default=0))}, self.worker_id)
+            self._trace_group(group, costs, stats, times)
         return True
+
+    def _trace_group(self, group: list[_Member], costs: list[int], stats: BatchStats, times: GroupTimes) -> None:
+        """The group's spans in each traced request's trace (worker/spans.py): its size in items,
+        requests, cost, forwards, OOM events and the memory plan it ran under."""
+        batch = {"vramguard.batch.size": len(costs), "vramguard.batch.requests": len(group),
+                 "vramguard.batch.cost": sum(costs), "vramguard.batch.forwards": stats.forwards,
+                 "vramguard.batch.oom_events": stats.oom_events,
+                 **plan_attributes(self.budget, len(costs), max(costs, default=0))}
+        record_group([part.entry for part, _parts in group], times, batch, self.worker_id)
 
     def _collect(self, group: list[_Member], results: list[ItemResult]) -> list[_Member]:
         """Store each slice's results in its entry's parts, in item order; return the members
