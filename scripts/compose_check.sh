@@ -60,7 +60,8 @@ cleanup() {
     local status=$?
     set +e
     if [ -n "$DOCKERD_PID" ]; then
-        docker_ns compose -p vramguard --profile cpu down --timeout 5 >/dev/null 2>&1
+        # The scenario's own `down` ran when it passed; after a failure the stack may still be up.
+        [ "$status" = 0 ] || docker_ns compose -p vramguard --profile cpu down --timeout 5 >/dev/null 2>&1
         stop_dockerd
     fi
     [ -n "$WHEELS_PID" ] && kill "$WHEELS_PID" 2>/dev/null && wait "$WHEELS_PID" 2>/dev/null
