@@ -19,6 +19,7 @@ from vramguard.gateway.app import broken_task, create_app, fail_waiting, shut_do
 from vramguard.gateway.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
+from vramguard.shared.tracing import TracingError, configure_tracing
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"vramguard gateway: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level, "gateway")
+    try:
+        configure_tracing("vramguard-gateway")  # only when an OTLP endpoint is set (OTEL_* variables)
+    except TracingError as exc:
+        print(f"vramguard gateway: {exc}", file=sys.stderr)
+        return 2
     app = create_app(settings)
     config = uvicorn.Config(
         app,

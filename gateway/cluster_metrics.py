@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from vramguard.gateway.health import Health
-from vramguard.gateway.queues import QueueStats
+from vramguard.gateway.queues import QueueStats, RedisMemory
 from vramguard.shared import metrics as m
 from vramguard.shared.heartbeat import WorkerBeat
 
@@ -28,10 +28,12 @@ from vramguard.shared.heartbeat import WorkerBeat
 class ClusterCollector(Collector):
     """Reads `health.view` and `queues` at each collect(); `queues` is set by the scrape."""
 
-    def __init__(self, health: Health, models: list[str]) -> None:
+    def __init__(self, health: Health, models: list[str], queue_bounds: dict[str, int] | None = None) -> None:
         self._health = health
         self._models = models
+        self._queue_bounds = queue_bounds or {}
         self.queues: dict[str, QueueStats] | None = None
+        self.redis_memory: RedisMemory | None = None  # set by the scrape with `queues`
 
     def describe(self) -> list[Metric]:
         return []  # series vary with the live workers; never collect at registration
@@ -50,6 +52,12 @@ class ClusterCollector(Collector):
         for model in self._models:
             live.add_metric([model], float(len(self._health.live_workers(model))))
         yield live
+        bound = GaugeMetricFamily(m.QUEUE_BOUND, "Entries queued or in flight at which admission answers 429.",
+                                  labels=[m.MODEL])
+        for model, value in self._queue_bounds.items():
+            bound.add_metric([model], float(value))
+        yield bound
+        yield from self._redis_memory_families()
         if self.queues is None:
             return
         families = (
@@ -62,6 +70,17 @@ class ClusterCollector(Collector):
             for model, stats in self.queues.items():
                 family.add_metric([model], float(getattr(stats, attr)))
             yield family
+
+    def _redis_memory_families(self) -> Iterator[Metric]:
+        memory = self.redis_memory
+        if memory is None:
+            return
+        policy = GaugeMetricFamily(m.REDIS_MAXMEMORY_POLICY, "1, with Redis' maxmemory-policy as the label "
+                                   "(anything but noeviction may evict queued requests).", labels=["policy"])
+        policy.add_metric([memory.policy], 1.0)
+        yield policy
+        yield GaugeMetricFamily(m.REDIS_MEMORY_USED, "Memory Redis uses (INFO used_memory).", value=memory.used_bytes)
+        yield GaugeMetricFamily(m.REDIS_MAXMEMORY, "Redis' maxmemory; 0 means no limit.", value=memory.maxmemory_bytes)
 
     def _worker_families(self, beats: list[WorkerBeat]) -> Iterator[Metric]:
         labels = list(m.WORKER_LABELS)

@@ -32,6 +32,7 @@ from vramguard.shared.models import ModelConfig
 from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
 from vramguard.shared.settings import Settings
+from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, reply_attributes
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class Dispatcher:
             deadline_ms=enqueued_ms + timeout_ms,
             enqueued_ms=enqueued_ms,
             parameters=parameters,
+            trace=carrier(),  # None unless tracing is on: the worker's spans join this request's trace
         )
         future = self._listener.register(request_id)
         try:
@@ -186,7 +188,10 @@ class Dispatcher:
             admission.result()
             self._listener.mark_enqueued(request_id)
             self.submitted += 1
-            reply = await asyncio.wait_for(future, self._remaining_s(timeout_ms, started_ms))
+            with child_span("vramguard.reply") as span:  # queued, batched, run and published: until the reply is here
+                reply = await asyncio.wait_for(future, self._remaining_s(timeout_ms, started_ms))
+                if span is not None:
+                    span.set_attributes(reply_attributes(reply))
             self._throughput[model].record()
             return reply
         except TimeoutError as exc:
@@ -207,6 +212,10 @@ class Dispatcher:
         (gateway/coalesce.py; two slots under Cluster). Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self.config_for(model)
+        with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
+            await self._admit_once(model, message, config)
+
+    async def _admit_once(self, model: str, message: RequestMessage, config: ModelConfig) -> None:
         # The reply-stream check runs first: in the data-loss case the stream exists again before
         # a worker can have read, run and answered the new entry.
         # Idempotent: the admissions of one loop pass share one check (they share the stream).

@@ -21,6 +21,7 @@ from vramguard.shared.errors import InvalidInputError
 from vramguard.shared.models import InputKind, ModelSpec
 from vramguard.shared.protocol import ReplyMessage, RequestId
 from vramguard.shared.settings import Settings
+from vramguard.shared.tracing import server_span
 
 
 def dispatcher_of(request: Request) -> Dispatcher:
@@ -52,10 +53,11 @@ def request_id_of(request: Request) -> RequestId:
 @contextmanager
 def inference_request(request: Request, model: str) -> Iterator[RequestRecord]:
     """Check the model is served, and count, time and log the request under its outcome and its
-    id (`request_id_of`; gateway/metrics.py)."""
+    id (`request_id_of`; gateway/metrics.py), under the request's trace span when tracing is on
+    (shared/tracing.py: continuing the client's `traceparent`)."""
     request_id = request_id_of(request)
     dispatcher_of(request).check_model(model)
-    with request.app.state.metrics.track(model) as record:
+    with request.app.state.metrics.track(model) as record, server_span(request.headers, model, request_id):
         record.request_id = request_id
         yield record
 

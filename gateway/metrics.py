@@ -36,7 +36,7 @@ from prometheus_client.multiprocess import MultiProcessCollector, mark_process_d
 
 from vramguard.gateway.cluster_metrics import ClusterCollector
 from vramguard.gateway.health import Health
-from vramguard.gateway.queues import QueueStats, read_queue_stats
+from vramguard.gateway.queues import QueueStats, read_queue_stats, read_redis_memory
 from vramguard.shared import metrics as m
 from vramguard.shared.errors import VramguardError
 from vramguard.shared.keys import Keys
@@ -88,7 +88,8 @@ class GatewayMetrics:
             self.requests.labels(model, "ok")
             self.in_flight.labels(model)
         # Not multiprocess: built from Redis at each scrape by the scraping process, so it appears once.
-        self.cluster = ClusterCollector(health, self._models)
+        bounds = {model: settings.model_config_for(model).queue_bound for model in self._models}
+        self.cluster = ClusterCollector(health, self._models, bounds)
         self.registry.register(self.cluster)
 
     @contextmanager
@@ -123,9 +124,10 @@ class GatewayMetrics:
     async def render(self) -> bytes:
         """The Prometheus text exposition of this gateway and all live workers."""
         queues = await self.queue_stats()
+        memory = await read_redis_memory(self._redis) if queues is not None else None
         if self.multiproc_dir is not None:
             forget_dead_processes(self.multiproc_dir)
-        self.cluster.queues = queues  # no await between this and rendering: one scrape's view
+        self.cluster.queues, self.cluster.redis_memory = queues, memory  # no await from here: one scrape's view
         return generate_latest(self.registry)
 
     def close(self) -> None:

@@ -47,6 +47,28 @@ async def read_queue_stats(redis: aioredis.Redis, keys: Keys, models: list[str])
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class RedisMemory:
+    """Redis' INFO memory fields an operator alerts on: bytes used, maxmemory (0: no limit) and the
+    maxmemory-policy (only `noeviction` never deletes queued requests; shared/redis_client.py)."""
+
+    used_bytes: int
+    maxmemory_bytes: int
+    policy: str
+
+
+async def read_redis_memory(redis: aioredis.Redis) -> RedisMemory | None:
+    """INFO memory (readable where CONFIG is renamed away, as on managed Redis), or None when Redis
+    does not answer or leaves the fields out (a Cluster client answers per node: not read there)."""
+    try:
+        info = await redis.info("memory")
+    except RedisError:
+        return None
+    if not isinstance(info, dict) or "maxmemory_policy" not in info:
+        return None
+    return RedisMemory(int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)), str(info["maxmemory_policy"]))
+
+
 async def ensure_groups(redis: aioredis.Redis, keys: Keys, models: list[str]) -> None:
     """XGROUP CREATE ... MKSTREAM for each model's request stream, from id 0 (as the worker does);
     an existing group (BUSYGROUP) is left alone. Raises RedisError for anything else."""

@@ -62,6 +62,8 @@ class WorkerBeat:
     probe_failures: int = 0
     failed_batches_in_row: int = 0
     batch_task_failures: int = 0  # batch tasks that raised; their requests got 500 internal (worker/batch_errors.py)
+    reclaimed: int = 0  # entries claimed from a dead worker (or this one's previous life), worker/reclaim.py
+    dead_lettered: int = 0  # entries this worker moved to the dead-letter stream after max_deliveries
     # --- throughput, last minute ---
     items_per_s: float = 0.0
     mean_batch_size_1m: float = 0.0

@@ -32,6 +32,12 @@ PENDING_ENTRIES = PREFIX + "pending_entries"  # delivered to a worker, not acked
 DEAD_LETTER_ENTRIES = PREFIX + "dead_letter_entries"
 LIVE_WORKERS = PREFIX + "live_workers"
 REDIS_UP = PREFIX + "redis_up"
+QUEUE_BOUND = PREFIX + "queue_bound"  # entries queued + in flight at which admission answers 429
+# Redis' own memory settings and use (INFO memory), read at scrape time: an operator alerts on a
+# policy that may evict queued requests (anything but noeviction) and on memory near maxmemory.
+REDIS_MAXMEMORY_POLICY = PREFIX + "redis_maxmemory_policy"  # 1, the policy as a label
+REDIS_MEMORY_USED = PREFIX + "redis_memory_used_bytes"
+REDIS_MAXMEMORY = PREFIX + "redis_maxmemory_bytes"  # 0: no limit
 WORKER_INFO = PREFIX + "worker_info"
 WORKER_HEALTHY = PREFIX + "worker_healthy"
 
@@ -90,6 +96,10 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
     FieldMetric("probe_failures", PREFIX + "worker_probe_failures", "counter", "Idle probes that failed."),
     FieldMetric("batch_task_failures", PREFIX + "worker_batch_task_failures", "counter",
                 "Batch tasks that raised unexpectedly; their requests got 500 internal."),
+    FieldMetric("reclaimed", PREFIX + "worker_reclaimed", "counter",
+                "Entries claimed from a worker that died (or from this worker's previous life)."),
+    FieldMetric("dead_lettered", PREFIX + "worker_dead_lettered", "counter",
+                "Entries moved to the dead-letter stream after max_deliveries."),
     FieldMetric("gpu_utilization_percent", PREFIX + "worker_gpu_utilization_ratio", "gauge",
                 "GPU busy fraction from NVML (CUDA workers only).", 0.01),
     # Memory fields, published by the memory budget where present.

@@ -81,13 +81,24 @@ def _field(d: Mapping[str, object], name: str, kind: type | tuple[type, ...]) ->
     return value
 
 
+def _trace_field(d: Mapping[str, object]) -> dict[str, str] | None:
+    """The optional `trace` carrier: absent, or a map of strings to strings (else ProtocolError)."""
+    value = d.get("trace")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise ProtocolError("field 'trace' is not a map of strings")
+    return dict(value)
+
+
 @dataclass(frozen=True, slots=True)
 class RequestMessage:
     """One client request as a worker sees it.
 
     `inputs` holds one value per item (a request with 3 inputs counts 3 toward
     `max_batch_size`); `deadline_ms` and `enqueued_ms` are epoch ms (shared.clock.now_ms);
-    `reply_to` is the gateway's reply stream key.
+    `reply_to` is the gateway's reply stream key. `trace` is the W3C trace context of the gateway's
+    request span (`traceparent`, `tracestate`; shared/tracing.py), absent when tracing is off.
     """
 
     request_id: RequestId
@@ -97,24 +108,26 @@ class RequestMessage:
     deadline_ms: int
     enqueued_ms: int
     parameters: dict[str, object] = field(default_factory=dict)
+    trace: dict[str, str] | None = None
 
     @property
     def n_items(self) -> int:
         return len(self.inputs)
 
     def encode(self) -> bytes:
-        return pack(
-            {
-                "v": PROTOCOL_VERSION,
-                "request_id": self.request_id,
-                "model": self.model,
-                "inputs": self.inputs,
-                "reply_to": self.reply_to,
-                "deadline_ms": self.deadline_ms,
-                "enqueued_ms": self.enqueued_ms,
-                "parameters": self.parameters,
-            }
-        )
+        message: dict[str, object] = {
+            "v": PROTOCOL_VERSION,
+            "request_id": self.request_id,
+            "model": self.model,
+            "inputs": self.inputs,
+            "reply_to": self.reply_to,
+            "deadline_ms": self.deadline_ms,
+            "enqueued_ms": self.enqueued_ms,
+            "parameters": self.parameters,
+        }
+        if self.trace:  # optional: a reader without it ignores the key, one that has it may find it absent
+            message["trace"] = self.trace
+        return pack(message)
 
     @classmethod
     def decode(cls, data: bytes) -> RequestMessage:
@@ -130,6 +143,7 @@ class RequestMessage:
             deadline_ms=int(_field(d, "deadline_ms", int)),  # type: ignore[call-overload]
             enqueued_ms=int(_field(d, "enqueued_ms", int)),  # type: ignore[call-overload]
             parameters=dict(_field(d, "parameters", dict)),  # type: ignore[call-overload]
+            trace=_trace_field(d),
         )
 
 

@@ -16,6 +16,7 @@ import sys
 
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
+from vramguard.shared.tracing import TracingError, configure_tracing
 from vramguard.worker.models import BackendContractError
 from vramguard.worker.runner import ExitCode, Worker  # no torch import: cheap enough for --help
 from vramguard.worker.startfail import report_start_failure
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
               "pin each worker to one (make up and the compose file do)", file=sys.stderr)
         return ExitCode.INVALID_SETTINGS
     configure_logging(settings.log_level, "worker")  # before the model's imports, which log
+    try:
+        configure_tracing("vramguard-worker")  # only when an OTLP endpoint is set (OTEL_* variables)
+    except TracingError as exc:
+        print(f"vramguard worker: {exc}", file=sys.stderr)
+        return ExitCode.INVALID_SETTINGS
     try:
         backend = build_backend(settings)
     except BackendContractError as exc:  # the user's to fix; no traceback, the message says what

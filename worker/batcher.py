@@ -45,12 +45,14 @@ MIN_HELD_ENTRIES = 8
 
 @dataclass(frozen=True, slots=True)
 class Entry:
-    """One stream entry as read: a decoded request, or the reason it could not be decoded."""
+    """One stream entry as read: a decoded request, or the reason it could not be decoded.
+    `delivery_count`: how often the consumer group has delivered it (above 1: reclaimed)."""
 
     entry_id: EntryId
     message: RequestMessage | None
     fields: dict[bytes, bytes]
     decode_error: str | None = None
+    delivery_count: int = 1
 
     @property
     def n_items(self) -> int:

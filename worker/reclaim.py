@@ -22,7 +22,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -252,7 +252,8 @@ class Reclaimer:
         log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": int(count),
                                            "worker_id": self._worker_id})
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
-        return Suspect(decode_entry(raw_id if isinstance(raw_id, bytes) else entry_id.encode(), fields), int(count))
+        entry = decode_entry(raw_id if isinstance(raw_id, bytes) else entry_id.encode(), fields)
+        return Suspect(replace(entry, delivery_count=int(count)), int(count))
 
     def exhausted(self, suspect: Suspect) -> bool:
         """True when `suspect` has used up `max_deliveries` and must not run again."""

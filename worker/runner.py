@@ -388,6 +388,8 @@ class Worker:
         counters, the watchdog, the metrics and the memory budget."""
         parts: dict[str, Any] = {
             **asdict(self.stats), **self.watchdog.heartbeat_fields(), "batch_task_failures": self.batch_task_failures,
+            "reclaimed": self.reclaimer.claimed if self.reclaimer else 0,
+            "dead_lettered": self.reclaimer.dead_lettered if self.reclaimer else 0,
             **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches),
             **(self.budget.heartbeat_fields() if self.budget is not None else {}),
         }

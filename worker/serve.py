@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -23,17 +24,19 @@ from vramguard.shared.keys import Keys
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
+from vramguard.shared.tracing import shared_ms_to_ns, tracer
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batcher import Entry, Held, Slice
 from vramguard.worker.costing import group_by_cost
 from vramguard.worker.execlog import ExecutionLog
-from vramguard.worker.execute import CudaContextLost, ItemResult, run_batch
+from vramguard.worker.execute import BatchStats, CudaContextLost, ItemResult, run_batch
 from vramguard.worker.hang import HangGuard
 from vramguard.worker.heartbeat import WorkerStats
 from vramguard.worker.memory import MemoryBudget
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
+from vramguard.worker.spans import GroupTimes, plan_attributes, record_group, record_queued
 from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -82,6 +85,7 @@ class BatchServer:
         context was lost: the rest stays pending, un-acked, for a fresh process to reclaim."""
         batch_start_ms = now_ms()
         fresh = self._claim_fresh(batch)
+        record_queued([held.entry for held in fresh], batch_start_ms, self.worker_id)  # when tracing is on
         try:
             await self._triage_fresh(redis, fresh, batch_start_ms)
         except BaseException:
@@ -187,12 +191,13 @@ class BatchServer:
         items = [item for part, parts in group for item in parts.items[part.start : part.stop]]
         request_ids = list(dict.fromkeys(p.message.request_id for p, _ in group if p.message is not None))
         await self._executions.record(redis, request_ids)
+        costs = [c for part, parts in group for c in parts.costs[part.start : part.stop]]
+        times = GroupTimes(shared_ms_to_ns(batch_start_ms), forward_start_ns=time.time_ns())
         started = monotonic_ms()
         try:
             with self._hang.forward("batch", request_ids):
                 results, stats = await self._threads.run(
-                    run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget,
-                    costs=[c for part, parts in group for c in parts.costs[part.start : part.stop]],
+                    run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget, costs=costs,
                 )
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
@@ -203,6 +208,7 @@ class BatchServer:
         if self.context_lost:  # another batch's forward broke the context while this one ran
             return False
         duration_ms = monotonic_ms() - started
+        times.forward_end_ns = time.time_ns()
         completed = self._collect(group, results)
         outgoing = [self._reply(part.entry, parts, len(items)) for part, parts in completed]
         # Queue delay once per request: at the batch that started it, not at each later slice.
@@ -218,8 +224,21 @@ class BatchServer:
                                       "duration_ms": round(duration_ms, 2)})
         self._stats.record_batch(len(items), len(delays_ms), stats.forwards, sum(1 for o in outgoing if not o.reply.ok),
                                 sum(delays_ms))  # requests: counted once, at their first slice (as their delay)
+        times.publish_start_ns = time.time_ns()
         await self._publish(redis, outgoing, [part.entry_id for part, _parts in completed], [])
+        times.publish_end_ns = time.time_ns()
+        if tracer() is not None:
+            self._trace_group(group, costs, stats, times)
         return True
+
+    def _trace_group(self, group: list[_Member], costs: list[int], stats: BatchStats, times: GroupTimes) -> None:
+        """The group's spans in each traced request's trace (worker/spans.py): its size in items,
+        requests, cost, forwards, OOM events and the memory plan it ran under."""
+        batch = {"vramguard.batch.size": len(costs), "vramguard.batch.requests": len(group),
+                 "vramguard.batch.cost": sum(costs), "vramguard.batch.forwards": stats.forwards,
+                 "vramguard.batch.oom_events": stats.oom_events,
+                 **plan_attributes(self.budget, len(costs), max(costs, default=0))}
+        record_group([part.entry for part, _parts in group], times, batch, self.worker_id)
 
     def _collect(self, group: list[_Member], results: list[ItemResult]) -> list[_Member]:
         """Store each slice's results in its entry's parts, in item order; return the members

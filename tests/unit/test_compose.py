@@ -49,12 +49,18 @@ def test_each_gpu_worker_service_reserves_its_own_device_from_one_definition() -
         assert s["command"][:3] == ["python", "deploy/up.py", "--workers-only"] and "--workers-per-gpu" in s["command"]
 
 
-def test_the_cpu_profile_runs_the_same_image_without_gpus() -> None:
+def test_the_cpu_profile_runs_the_worker_dockerfile_built_without_cuda() -> None:
+    """worker-cpu: the same Dockerfile and launcher as the GPU services, built with BASE=cpu (no CUDA
+    base image) and torch's CPU wheel, under its own image name so the CUDA image keeps its own."""
     cpu = services("--profile", "cpu")
     assert sorted(cpu) == ["gateway", "redis", "worker-cpu"]
     worker = cpu["worker-cpu"]
     assert devices(worker) == [] and worker["environment"]["VRAMGUARD_DEVICE"] == "cpu"
-    assert worker["image"] == next(s for n, s in services().items() if n.startswith("worker-gpu"))["image"]
+    gpu = next(s for n, s in services().items() if n.startswith("worker-gpu"))
+    assert worker["build"]["dockerfile"] == gpu["build"]["dockerfile"] and worker["command"] == gpu["command"]
+    assert worker["build"]["args"]["BASE"] == "cpu" and "BASE" not in gpu["build"].get("args", {})
+    assert "download.pytorch.org/whl/cpu" in worker["build"]["args"]["TORCH_PIP_ARGS"]
+    assert worker["image"] != gpu["image"]
 
 
 def test_scaling_a_gpu_worker_service_is_refused(tmp_path: Path) -> None:
@@ -71,3 +77,13 @@ def test_workers_per_gpu_reaches_the_launcher(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("WORKERS_PER_GPU", "3")
     command = services()["worker-gpu1"]["command"]
     assert command[command.index("--workers-per-gpu") + 1] == "3"
+
+
+def test_the_worker_dockerfile_defaults_to_cuda_and_takes_torch_from_a_build_argument() -> None:
+    """Built without arguments (the GPU services), the worker image is the CUDA one with torch's CUDA
+    wheel; BASE and TORCH_PIP_ARGS are what the CPU service and the offline CI build change."""
+    dockerfile = (ROOT / "deploy" / "Dockerfile.worker").read_text()
+    args = dict(line.removeprefix("ARG ").split("=", 1) for line in dockerfile.splitlines()
+                if line.startswith("ARG ") and "=" in line)
+    assert args["BASE"] == "cuda" and "download.pytorch.org/whl/cu" in args["TORCH_PIP_ARGS"]
+    assert "FROM base-${BASE}" in dockerfile and "RUN pip install $TORCH_PIP_ARGS" in dockerfile
