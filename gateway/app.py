@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway import chat, kserve, openai_compat
 from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import ClientGoneError
 from vramguard.gateway.health import Health
@@ -106,6 +106,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     # The request id first, so that a 401 and the errors found before the body is read carry it.
     app.include_router(openai_compat.router, dependencies=[Depends(assign_request_id), Depends(require_api_key)])
+    app.include_router(chat.router, dependencies=[Depends(assign_request_id), Depends(require_api_key)])
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
     app.include_router(kserve.health_router)
     app.include_router(health_router)
@@ -158,7 +159,8 @@ def render_error(
     if path == "/v2" or path.startswith("/v2/"):
         body = kserve.error_body(message)
         status = 400 if status == 422 else status  # v2 (Triton) answers 400 to every invalid request
-    elif path == openai_compat.PATH:
+    elif path == openai_compat.PATH or path in chat.PATHS:
+        status = 400 if status == 422 and path in chat.PATHS else status  # OpenAI answers 400 to invalid requests
         body = openai_compat.error_body(status, code, message, request_id)
     else:
         body = error_body(code, message, request_id)

@@ -7,6 +7,8 @@
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
     <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
+    <prefix>:gen:{<model>}:<request_id>     a generating sequence's progress (hash: its tokens so far, last chunk)
+    <prefix>:cancel:{<model>}:<request_id>  set by a gateway whose client left: the worker stops the sequence
     <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
@@ -48,6 +50,12 @@ class Keys:
 
     def claim_record(self, model: str, worker_id: str) -> str:
         return f"{self.prefix}:claim:{{{model}}}:{worker_id}"
+
+    def generation_progress(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:gen:{{{model}}}:{request_id}"
+
+    def cancel(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:cancel:{{{model}}}:{request_id}"
 
     def executions(self, model: str) -> str:
         return f"{self.prefix}:exec:{{{model}}}"
