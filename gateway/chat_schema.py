@@ -25,6 +25,9 @@ CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_KEYS = COMMON | {"prompt"}
 
 
+StopString = Annotated[StrictStr, Field(min_length=1)]
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +52,7 @@ class Sampling(BaseModel):
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     seed: StrictInt | None = None
-    stop: StrictStr | Annotated[list[Annotated[StrictStr, Field(min_length=1)]], Field(max_length=MAX_STOP)] | None = None
+    stop: StrictStr | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1

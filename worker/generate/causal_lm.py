@@ -25,7 +25,7 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -63,9 +63,10 @@ class CausalLMBackend:
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        folder = self._converted_folder()
+        folder: Any = self._converted_folder()
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        self._model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(self.device).eval()
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self._model = model.to(self.device).eval()
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))
         self.context_window = min(window, int(config.max_position_embeddings))
@@ -97,7 +98,7 @@ class CausalLMBackend:
         marker_path = cache / "vramguard-source.json"
         if marker_path.exists() and json.loads(marker_path.read_text()) == marker:
             return cache
-        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=str(gguf), dtype=torch.float32)
+        model: Any = AutoModelForCausalLM.from_pretrained(source, gguf_file=str(gguf), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=str(gguf))
         cache.mkdir(parents=True, exist_ok=True)
         # The weights are plain float32 now; without this transformers refuses to save a model
@@ -148,7 +149,7 @@ class CausalLMBackend:
         return ids.to(self.device), mask.to(self.device)
 
     def forward(self, batch: object) -> object:
-        ids, mask = batch  # type: ignore[misc]
+        ids, mask = cast(tuple[torch.Tensor, torch.Tensor], batch)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         with torch.inference_mode():
             out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)

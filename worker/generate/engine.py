@@ -56,9 +56,9 @@ class Engine:
                 seq.generated.append(token)
                 advanced.append(seq)
         if self.joining:
-            seq = self._prefill_chunk()
-            if seq is not None:
-                advanced.append(seq)
+            joined = self._prefill_chunk()
+            if joined is not None:
+                advanced.append(joined)
         return advanced
 
     def _prefill_chunk(self) -> Sequence | None:

@@ -16,6 +16,7 @@ sequence; the cache holds rows x width tokens, which is what the KV plan reserve
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class KVBatch:
         """Bytes the cache's key and value tensors hold now (rows x width x per-token bytes)."""
         if self.cache is None:
             return 0
-        return sum(t.numel() * t.element_size() for layer in self.cache.layers for t in _tensors(layer))
+        return sum(t.numel() * t.element_size() for layer in _layers(self.cache) for t in _tensors(layer))
 
     def join(self, cache: DynamicCache, length: int) -> None:
         """Append a prefilled batch-1 `cache` of `length` tokens as the last row."""
@@ -54,7 +55,7 @@ class KVBatch:
             self.cache, self.mask, self.lengths = cache, mask, [length]
             return
         width = max(self.width, length)
-        for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+        for mine, theirs in zip(_layers(self.cache), _layers(cache), strict=True):
             mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)], dim=0)
             mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)], dim=0)
         self.mask = torch.cat([F.pad(self.mask, (width - self.width, 0)), F.pad(mask, (width - length, 0))], dim=0)
@@ -73,7 +74,7 @@ class KVBatch:
         drop = self.width - max(self.lengths)  # columns that are padding in every row left
         if drop > 0:
             self.mask = self.mask[:, drop:]
-            for layer in self.cache.layers:
+            for layer in _layers(self.cache):
                 layer.keys, layer.values = layer.keys[:, :, drop:], layer.values[:, :, drop:]
 
     def step(self, forward: StepForward, tokens: Sequence[int]) -> torch.Tensor:
@@ -92,8 +93,14 @@ def _tensors(layer: object) -> list[torch.Tensor]:
     return [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor)]
 
 
+def _layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers; each holds `keys` and `values`, [batch, kv heads, seq, head dim]."""
+    return list(cache.layers)
+
+
 def _device(cache: DynamicCache) -> torch.device:
-    return cache.layers[0].keys.device  # type: ignore[no-any-return]
+    device: torch.device = _layers(cache)[0].keys.device
+    return device
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ the progress names (the gateway drops a chunk number it already forwarded) and g
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import redis.asyncio as aioredis
 
@@ -65,7 +66,7 @@ async def write_progress(redis: aioredis.Redis, keys: Keys, model: str, seqs: li
 
 async def read_progress(redis: aioredis.Redis, keys: Keys, model: str, request_id: str) -> Progress | None:
     """The progress a dead worker left for `request_id`, or None (a fresh request)."""
-    raw = await redis.hgetall(keys.generation_progress(model, request_id))
+    raw = cast(dict[bytes, bytes], await redis.hgetall(keys.generation_progress(model, request_id)))
     if not raw:
         return None
     tokens = unpack(raw[b"tokens"])

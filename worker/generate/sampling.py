@@ -56,7 +56,7 @@ def _sample(scores: torch.Tensor, p: SamplingParams, position: int) -> int:
     if p.top_p < 1.0:
         warpers.append(TopPLogitsWarper(p.top_p))
     # The warpers do not read input_ids; an empty [1, 0] stands in for the sequence so far.
-    warped = warpers(torch.zeros((1, 0), dtype=torch.long), scores)
+    warped = warpers(torch.zeros((1, 0), dtype=torch.long), scores)  # type: ignore[arg-type]
     probs = torch.softmax(warped, dim=-1)
     generator = torch.Generator().manual_seed(position_seed(p.seed, position))
     return int(torch.multinomial(probs, 1, generator=generator).item())

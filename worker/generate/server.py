@@ -29,8 +29,8 @@ from vramguard.shared.settings import Settings
 from vramguard.worker.batcher import Entry, decode_entry
 from vramguard.worker.generate.engine import Emitted, Engine
 from vramguard.worker.generate.kvplan import KVPlan, plan_kv
-from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.progress import cancelled as cancel_flags
+from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.memory import MemoryBudget
@@ -126,6 +126,7 @@ class GenerationServer:
     def heartbeat_field(self) -> str:
         self.stats.running = len(self._engine.running) + len(self._engine.joining)
         self.stats.waiting = len(self._pending)
+        self.stats.kv_bytes_used = self._engine.kv.cache_bytes()  # after leaves too, not only after steps
         return json.dumps({"kv_plan": self.plan.as_dict(), **asdict(self.stats)})
 
     def _sequences(self) -> list[Sequence]:
@@ -157,7 +158,12 @@ class GenerationServer:
             except (InvalidInputError, InputTooLargeError, DeadlineExceededError) as exc:
                 await self._refuse(redis, entry, exc.code, exc.message)
                 continue
-            if seq is not None:
+            if seq is not None and seq.finish_reason is not None:  # it ended; its last chunk may be unsent
+                full = await self._threads.run(self._backend.detokenize, seq.generated)
+                seq.chunk -= 1
+                text, seq.text_sent = full[seq.text_before : seq.text_sent], seq.text_before
+                await self._publish(redis, [Emitted(seq, text)])
+            elif seq is not None:
                 self._pending.append(seq)
 
     async def _sequence(self, redis: aioredis.Redis, entry: Entry) -> Sequence | None:
@@ -221,7 +227,8 @@ class GenerationServer:
         """Drop cancelled and expired sequences, resend what resumed ones owe, run one step, publish."""
         await self._drop_gone(redis)
         self.admit()
-        resent = await self._threads.run(self._resend)
+        # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
+        await self._publish(redis, await self._threads.run(self._resend))
         if self._engine.running or self._engine.joining:
             try:
                 emitted = await self._threads.run(self._compute)
@@ -231,7 +238,7 @@ class GenerationServer:
                 return
         else:
             emitted = []
-        await self._publish(redis, resent + emitted)
+        await self._publish(redis, emitted)
 
     def _compute(self) -> list[Emitted]:
         advanced = self._engine.step()
