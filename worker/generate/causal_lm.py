@@ -123,6 +123,11 @@ class CausalLMBackend:
         return 2 * c.num_hidden_layers * kv_heads * head_dim * self._model.dtype.itemsize  # type: ignore[no-any-return]
 
     @property
+    def kv_layers(self) -> int:
+        """Layers of the KV cache (a DynamicCache is copied one layer at a time: kvplan.py)."""
+        return int(self._model.config.num_hidden_layers)
+
+    @property
     def max_item_cost(self) -> int:
         """A prefill forward's largest cost in tokens: the prefill chunk (the memory plan measures up to it)."""
         return self.prefill_chunk_tokens

@@ -21,7 +21,11 @@ class KVPlan:
     """bytes_per_token: one token of one sequence in the cache (model config, checked against a
     measured prefill); kv_budget_bytes = budget - context - weights - step_peak_bytes (the
     predicted peak of one step: a prefill chunk plus a decode token per running row);
-    tokens_fit = kv_budget_bytes // bytes_per_token; max_running: the configured cap on rows."""
+    copy_fraction: the share of the cache that exists twice while it changes (a join, a leave and
+    every decode step copy a DynamicCache's tensors one layer at a time: torch.cat / index_select
+    hold a layer's old and new tensors at once, two layers' worth at most, so 2 / layers);
+    tokens_fit = kv_budget_bytes // (bytes_per_token x (1 + copy_fraction)); max_running: the
+    configured cap on rows."""
 
     bytes_per_token: int
     measured_bytes_per_token: int
@@ -34,6 +38,7 @@ class KVPlan:
     max_running: int
     prefill_chunk_tokens: int
     context_window: int
+    copy_fraction: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -52,10 +57,10 @@ class KVPlan:
 
 def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_peak_bytes: int,
             bytes_per_token: int, measured_bytes_per_token: int, max_running: int, prefill_chunk_tokens: int,
-            context_window: int) -> KVPlan:
+            context_window: int, copy_fraction: float = 0.0) -> KVPlan:
     """The plan for one worker (all bytes). Raises KVPlanError when no token fits."""
     kv_budget = budget_bytes - context_bytes - weights_bytes - step_peak_bytes
-    tokens = kv_budget // bytes_per_token if bytes_per_token > 0 else 0
+    tokens = int(kv_budget // (bytes_per_token * (1 + copy_fraction))) if bytes_per_token > 0 else 0
     if tokens < 1:
         raise KVPlanError(
             f"the memory budget {budget_bytes / 2**20:.1f} MiB holds context {context_bytes / 2**20:.1f} + weights "
@@ -63,4 +68,5 @@ def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_p
     return KVPlan(bytes_per_token=bytes_per_token, measured_bytes_per_token=measured_bytes_per_token,
                   budget_bytes=budget_bytes, context_bytes=context_bytes, weights_bytes=weights_bytes,
                   step_peak_bytes=step_peak_bytes, kv_budget_bytes=kv_budget, tokens_fit=int(tokens),
-                  max_running=max_running, prefill_chunk_tokens=prefill_chunk_tokens, context_window=context_window)
+                  max_running=max_running, prefill_chunk_tokens=prefill_chunk_tokens, context_window=context_window,
+                  copy_fraction=copy_fraction)

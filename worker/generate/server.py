@@ -70,10 +70,12 @@ def measure_kv_bytes_per_token(backend: Any, tokens: int = 16) -> int:
     from vramguard.worker.generate.kvbatch import KVBatch
 
     cache = backend.new_cache()
-    backend.prefill([0] * tokens, 0, cache)
-    batch = KVBatch()
+    backend.prefill([1] * tokens, 0, cache)
+    batch = backend.new_batch() if hasattr(backend, "new_batch") else KVBatch()
     batch.join(cache, tokens)
-    return batch.cache_bytes() // tokens
+    measured = int(batch.cache_bytes() // tokens)
+    batch.keep([])  # the cache is freed before serving
+    return measured
 
 
 def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPlan:
@@ -92,7 +94,7 @@ def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPla
                    step_peak_bytes=fit.predict(backend.prefill_chunk_tokens + max_running) if plan.planned else 0,
                    bytes_per_token=max(expected, measured), measured_bytes_per_token=measured,
                    max_running=max_running, prefill_chunk_tokens=backend.prefill_chunk_tokens,
-                   context_window=backend.context_window)
+                   context_window=backend.context_window, copy_fraction=2 / backend.kv_layers)
 
 
 class GenerationServer:
