@@ -1,8 +1,8 @@
 """The compute side of continuous batching, run on the worker's model thread: one call of
 `Engine.step` is one decode step of every running sequence, plus the prefill of the sequences
 joining next, prefill_chunk_tokens prompt tokens at most in all (the cap on how long joining
-prompts stall the others; a longer prompt is prefilled in chunks over several steps). Sequences join at the end of a step and leave before the
-next one. No Redis, no asyncio.
+prompts stall the others; a longer prompt is prefilled in chunks over several steps).
+Sequences join at the end of a step and leave before the next one. No Redis, no asyncio.
 """
 
 from __future__ import annotations
