@@ -212,6 +212,28 @@ async def test_client_leaving_after_3_tokens_stops_its_sequence(gen: GenStack) -
     after = gen.generation()
     assert after["running"] == 0 and after["kv_bytes_used"] == 0  # the cache is back to idle
     assert int(after["tokens_generated"]) - int(before["tokens_generated"]) <= 3 + 5  # a few steps past 3
+    metrics = httpx.get(gen.url + "/metrics").text
+    assert re.search(r'^vramguard_generation_cancelled_total\{[^}]*\} [1-9]', metrics, re.M), metrics[-2000:]
+    assert re.search(r"^vramguard_kv_cache_used_bytes\{[^}]*\} 0\.0$", metrics, re.M)
+
+
+def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
+    workers = httpx.get(gen.url + "/v1/models/smollm2").json()["workers"]
+    generation = json.loads(next(iter(workers.values()))["generation"])
+    plan = generation["kv_plan"]
+    # SmolLM2-135M: 2 (keys, values) x 30 layers x 3 kv heads x 64 dims x 4 bytes (float32)
+    assert plan["bytes_per_token"] == plan["measured_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    assert plan["tokens_fit"] > 0 and plan["context_window"] == 2048
+    assert {"running", "waiting", "kv_bytes_used", "kv_bytes_reserved", "cancelled", "resumed"} <= set(generation)
+
+
+def test_deadline_cuts_a_stream_with_an_error_event(gen: GenStack) -> None:
+    body = {"model": "smollm2", "prompt": STORY, "max_tokens": 1000, "temperature": 0, "stream": True}
+    with httpx.stream("POST", gen.url + "/v1/completions", json=body, headers={"X-Request-Timeout-Ms": "4000"},
+                      timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "deadline_exceeded", events[-1]
+    assert any(e["choices"][0]["text"] for e in events[:-1])  # tokens were streamed before the cut
 
 
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}],

@@ -160,6 +160,12 @@ class GenerationServer:
             except (InvalidInputError, InputTooLargeError, DeadlineExceededError) as exc:
                 await self._refuse(redis, entry, exc.code, exc.message)
                 continue
+            except RedisError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model's tokenizer failed on this input: 500, not a dead worker
+                log.exception("prompt failed", extra={"entry_id": entry.entry_id})
+                await self._refuse(redis, entry, ModelError.code, f"the prompt failed: {type(exc).__name__}: {exc}")
+                continue
             if seq is not None and seq.finish_reason is not None:  # it ended; its last chunk may be unsent
                 full = await self._threads.run(self._backend.detokenize, seq.generated)
                 seq.chunk -= 1
