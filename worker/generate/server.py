@@ -236,7 +236,8 @@ class GenerationServer:
         await self._drop_gone(redis)
         self.admit()
         # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
-        await self._publish(redis, await self._threads.run(self._resend))
+        if any(s.resumed for s in self._engine.running):  # a thread hop only when one is owed
+            await self._publish(redis, await self._threads.run(self._resend))
         if self._engine.running or self._engine.joining:
             try:
                 emitted = await self._threads.run(self._compute)
