@@ -28,6 +28,7 @@ from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
 from vramguard.gateway.observe import router as observe_router
 from vramguard.gateway.openapi import install_schemas
+from vramguard.gateway.prompt_tokens import PromptTokens
 from vramguard.gateway.queues import ensure_groups
 from vramguard.gateway.replies import ReplyListener
 from vramguard.gateway.routes import (
@@ -74,6 +75,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.dispatcher = Dispatcher(settings, redis, keys, listener, health)
         app.state.metrics = metrics = GatewayMetrics(settings, redis, keys, health)
         app.state.listener = listener
+        app.state.prompt_tokens = PromptTokens(redis, keys)  # generative models' context-window check
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from vramguard.gateway.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
 from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of
+from vramguard.gateway.prompt_tokens import PromptTokens
 from vramguard.gateway.render import FastJSONResponse
 from vramguard.gateway.replies import ReplyStream
 from vramguard.shared.errors import DeadlineExceededError, UnavailableError, VramguardError, error_from_code
@@ -63,6 +64,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
             raise BadBodyError(f"model: {body.model!r} does not generate text")
         window = int(spec.options.get("context_window", 0)) or None
         prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
+        await _check_window(request, body.model, prompt, max_tokens, window)
         parameters: dict[str, object] = {"max_tokens": max_tokens, "temperature": body.temperature,
                                          "top_p": body.top_p, "stop": body.stop_list()}
         if body.seed is not None:
@@ -105,6 +107,16 @@ def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, win
     if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
         raise BadBodyError(f"messages: {chars} characters cannot fit the model's context window of {window} tokens")
     return prompt, max_tokens
+
+
+async def _check_window(request: Request, model: str, prompt: object, max_tokens: int, window: int | None) -> None:
+    """BadBodyError when the prompt's tokens (counted as the worker counts them, when this gateway
+    can: gateway/prompt_tokens.py) plus max_tokens pass the context window."""
+    counter: PromptTokens = request.app.state.prompt_tokens
+    tokens = await counter.count(model, prompt) if window is not None else None
+    if tokens is not None and window is not None and tokens + max_tokens > window:
+        raise BadBodyError(f"max_tokens: the prompt has {tokens} tokens and max_tokens is {max_tokens}: "
+                           f"{tokens + max_tokens} tokens is over the model's context window of {window}")
 
 
 async def _chunks(stream: ReplyStream, deadline: float) -> AsyncIterator[dict[str, object]]:

@@ -182,7 +182,7 @@ class Worker:
         self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
                                                      self.config.max_batch_size)
         if self.settings.spec_for(self.settings.model).options.get("generates"):
-            self.generation = await GenerationLoop.start(self, budget)
+            self.generation = await GenerationLoop.start(self, budget, redis)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"

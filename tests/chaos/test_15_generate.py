@@ -165,11 +165,12 @@ def test_bad_bodies_refused_before_queueing(gen: GenStack) -> None:
     assert raw.status_code == 400
     unsupported = httpx.post(gen.url + "/v1/chat/completions", json=BAD_BODIES[6][1]).json()["error"]["message"]
     assert "tools" in unsupported and "logprobs" in unsupported
-    assert gen.queued_entries() == before
-    # prompt + max_tokens over the window: refused by the worker before any token, naming both numbers
+    # prompt + max_tokens over the window: counted with the tokenizer the worker published, naming both numbers
     response = httpx.post(gen.url + "/v1/completions", timeout=60,
                           json={"model": "smollm2", "prompt": "word " * 1500, "max_tokens": 1000})
-    assert response.status_code == 400 and "1000" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "max_tokens is 1000" in message and "prompt has 15" in message, message
+    assert gen.queued_entries() == before
 
 
 async def test_short_request_overtakes_eight_long_streams(gen: GenStack) -> None:

@@ -189,6 +189,14 @@ class CausalLMBackend:
             raise InvalidInputError("the prompt has no tokens")
         return [int(t) for t in ids]
 
+    def tokenizer_description(self) -> dict[str, str]:
+        """What a gateway needs to count prompt tokens as `prompt_ids` does, without torch: the
+        tokenizer as JSON (the `tokenizers` library's format), the chat template, and the special
+        tokens the template may name (JSON)."""
+        special = {k: str(v) for k, v in self._tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        return {"tokenizer": self._tokenizer.backend_tokenizer.to_str(),
+                "chat_template": str(self._tokenizer.chat_template or ""), "special": json.dumps(special)}
+
     def detokenize(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens (end of turn) left out."""
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))

@@ -31,13 +31,28 @@ class GenerationLoop:
         self.server = server
 
     @classmethod
-    async def start(cls, worker: Worker, budget: MemoryBudget) -> GenerationLoop:
-        """Measure the KV cache and plan it inside the worker's budget (on the model thread)."""
+    async def start(cls, worker: Worker, budget: MemoryBudget, redis: aioredis.Redis) -> GenerationLoop:
+        """Measure the KV cache and plan it inside the worker's budget (on the model thread), and
+        publish the tokenizer for the gateways (before the first heartbeat says ready)."""
         max_running = min(worker.config.max_batch_size, budget.plan.max_batch_size)
         plan = await worker.threads.run(build_kv_plan, worker.backend, budget, max_running)
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
         server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, threads=worker.threads)
-        return cls(worker, server)
+        loop = cls(worker, server)
+        await loop.publish_tokenizer(redis)
+        return loop
+
+    async def publish_tokenizer(self, redis: aioredis.Redis) -> None:
+        """Put the model's tokenizer in Redis for the gateways' prompt count (gateway/prompt_tokens.py),
+        when the backend has one to describe. A failure only costs the gateways' early check."""
+        describe = getattr(self.worker.backend, "tokenizer_description", None)
+        if describe is None:
+            return
+        try:
+            await redis.hset(self.worker.keys.tokenizer(self.worker.settings.model), mapping=describe())
+        except RedisError as exc:
+            log.warning("tokenizer not published; the worker alone checks the context window",
+                        extra={"error": str(exc)})
 
     async def serve(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> ExitCode:
         """Serve until a signal; returns the exit code (OK when every running sequence finished)."""
