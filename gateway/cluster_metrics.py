@@ -8,6 +8,7 @@ shared/metrics.py.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
 from prometheus_client.metrics_core import (
@@ -96,6 +97,7 @@ class ClusterCollector(Collector):
         for spec in (*m.WORKER_FIELDS, *m.plan_field_metrics()):
             yield from _field_family(spec, beats)
         yield from _histogram_families(beats)
+        yield from _generation_families(beats)
 
 
 def _field_family(spec: m.FieldMetric, beats: list[WorkerBeat]) -> Iterator[Metric]:
@@ -125,3 +127,41 @@ def _histogram_families(beats: list[WorkerBeat]) -> Iterator[Metric]:
                 family.add_metric(m.worker_label_values(beat), buckets, snap.sum)
         if family.samples:
             yield family
+
+
+# Generative workers' heartbeat `generation` JSON (worker/generate/server.py GenerationStats): name,
+# kind, help, the JSON key, and the scale to the base unit (ms -> s).
+GENERATION_SERIES = (
+    ("generation_running_sequences", "gauge", "Sequences in the running batch (prefilling included).", "running", 1.0),
+    ("generation_waiting_sequences", "gauge", "Sequences read and waiting for KV-cache room.", "waiting", 1.0),
+    ("kv_cache_used_bytes", "gauge", "Bytes the KV cache's tensors hold now.", "kv_bytes_used", 1.0),
+    ("kv_cache_reserved_bytes", "gauge", "KV bytes the running sequences may grow to (admission).",
+     "kv_bytes_reserved", 1.0),
+    ("kv_cache_peak_bytes", "gauge", "The most bytes the KV cache held since start.", "kv_bytes_peak", 1.0),
+    ("generated_tokens", "counter", "Tokens generated.", "tokens_generated", 1.0),
+    ("generation_finished", "counter", "Sequences that finished (stop or length).", "finished", 1.0),
+    ("generation_cancelled", "counter", "Sequences stopped because their client left.", "cancelled", 1.0),
+    ("generation_resumed", "counter", "Sequences resumed from a dead worker's progress.", "resumed", 1.0),
+    ("time_to_first_token_seconds_sum", "counter", "Admission to first chunk, summed.", "ttft_ms_sum", 1e-3),
+    ("time_to_first_token_count", "counter", "Sequences with a first token.", "ttft_count", 1.0),
+    ("time_per_output_token_seconds_sum", "counter", "Mean time per token after the first, summed over "
+     "finished sequences.", "tpot_ms_sum", 1e-3),
+    ("time_per_output_token_count", "counter", "Finished sequences of more than one token.", "tpot_count", 1.0),
+)
+
+
+def _generation_families(beats: list[WorkerBeat]) -> Iterator[Metric]:
+    stats = [(beat, json.loads(beat.generation)) for beat in beats if beat.generation]
+    if not stats:
+        return
+    plan = GaugeMetricFamily(m.PREFIX + "kv_cache_plan_bytes", "The KV cache's planned bytes (budget).",
+                             labels=list(m.WORKER_LABELS))
+    for beat, data in stats:
+        plan.add_metric(m.worker_label_values(beat), float(data["kv_plan"]["kv_budget_bytes"]))
+    yield plan
+    for name, kind, doc, key, scale in GENERATION_SERIES:
+        cls = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+        family = cls(m.PREFIX + name, doc, labels=list(m.WORKER_LABELS))
+        for beat, data in stats:
+            family.add_metric(m.worker_label_values(beat), float(data.get(key, 0)) * scale)
+        yield family

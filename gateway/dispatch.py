@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from vramguard.gateway.backpressure import ThroughputMeter, retry_after_s
 from vramguard.gateway.coalesce import ScriptBatcher
 from vramguard.gateway.health import Health
-from vramguard.gateway.replies import INIT_FIELD, ReplyListener
+from vramguard.gateway.replies import INIT_FIELD, ReplyListener, ReplyStream
 from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.errors import (
     DeadlineExceededError,
@@ -155,6 +155,43 @@ class Dispatcher:
             raise error_from_code(reply.error_code or "model_error", reply.error_message or "", request_id=request_id)
         self.answered += 1
         return request_id, reply
+
+    async def open_stream(self, model: str, inputs: list[object], parameters: dict[str, object], timeout_ms: int,
+                          request_id: RequestId, bound: int) -> ReplyStream:
+        """Enqueue a request whose reply comes as numbered chunks (a generative model) and return
+        their ReplyStream; the caller reads it and calls `close_stream` when done. Raises
+        UnavailableError, QueueFullError, DeadlineExceededError as `submit` does."""
+        self.check_model(model)
+        self._health.require_worker(model)
+        enqueued_ms = now_ms()
+        message = RequestMessage(request_id=request_id, model=model, inputs=inputs, reply_to=self._listener.stream,
+                                 deadline_ms=enqueued_ms + timeout_ms, enqueued_ms=enqueued_ms, parameters=parameters)
+        stream = self._listener.register_stream(request_id, bound)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._admit(model, message)), timeout_ms / 1000)
+        except TimeoutError as exc:
+            self._listener.discard(request_id)
+            raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
+        except RedisError as exc:
+            self._listener.discard(request_id)
+            raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
+        except BaseException:
+            self._listener.discard(request_id)
+            raise
+        self._listener.mark_enqueued(request_id)
+        self.submitted += 1
+        return stream
+
+    async def close_stream(self, model: str, request_id: RequestId, *, cancel: bool) -> None:
+        """Forget a streamed request; with `cancel` (the client left, or was cut) tell its worker
+        to stop the sequence: a key it checks every decode step, expiring after the model's timeout."""
+        self._listener.discard(request_id)
+        if cancel:
+            ttl_ms = self.config_for(model).default_timeout_ms + 60_000
+            try:
+                await self._redis.set(self._keys.cancel(model, request_id), b"1", px=ttl_ms)
+            except RedisError as exc:
+                log.warning("cancel not recorded; the sequence runs to its end", extra={"error": str(exc)})
 
     async def _enqueue_and_wait(
         self,

