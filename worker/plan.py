@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -107,9 +107,17 @@ class Plan:
         return self.planned_batch_tokens if self.max_item_cost > 1 else self.planned_batch_size
 
     @property
+    def cap_bytes(self) -> int:
+        """What the caching allocator may reserve (segments, cached blocks included): the budget
+        less this process's memory outside the allocator (context, kernel modules), which the
+        per-process fraction does not cover. Never below 0."""
+        return max(0, self.budget_bytes - self.context_bytes)
+
+    @property
     def memory_fraction(self) -> float:
-        """The hard cap handed to torch.cuda.set_per_process_memory_fraction: the share itself."""
-        return self.memory_share
+        """The hard cap handed to torch.cuda.set_per_process_memory_fraction:
+        (memory_share x total - outside the allocator) / total, never 0 (torch refuses it)."""
+        return max(1e-9, self.cap_bytes / self.total_bytes)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,3 +201,20 @@ def measurement_grid(max_item_cost: int, max_batch_size: int) -> list[tuple[int,
     sizes = [b for b in MEASURE_BATCH_SIZES if b <= max_batch_size] or [1]
     lengths = sorted({max(1, max_item_cost // 4), max_item_cost})
     return [(b, length) for length in lengths for b in sizes]
+
+
+def replan(plan: Plan, context_bytes: int) -> Plan:
+    """`plan` with this process's memory outside the allocator measured again (`context_bytes`: the
+    kernel modules that load lazily at the first full-size forwards): the same fit, the limits
+    derived anew. Unchanged when the figure is the same. Raises MemoryPlanError as plan_budget does."""
+    if context_bytes == plan.context_bytes:
+        return plan
+    if not plan.planned:
+        return replace(plan, context_bytes=context_bytes)
+    per_unit = plan.per_token_bytes if plan.max_item_cost > 1 else float(plan.per_item_bytes)
+    return plan_budget(
+        device_kind=plan.device_kind, total_bytes=plan.total_bytes, context_bytes=context_bytes,
+        weights_bytes=plan.weights_bytes, fit=Fit(plan.fixed_bytes, per_unit), max_item_cost=plan.max_item_cost,
+        watermark=plan.watermark, memory_share=plan.memory_share, max_batch_size=plan.max_batch_size,
+        max_inflight_batches=plan.inflight_batches,
+    )

@@ -21,6 +21,7 @@ def make_budget():  # type: ignore[no-untyped-def]
         p = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4, **kwargs.pop("params", {})}  # type: ignore[dict-item]
         cap = int(kwargs.pop("cap", 64))
         settings = Settings(model="synthetic", fault_injection=True, sim_memory_bytes=total_mib * MIB, watermark=0.8,
+                            sim_context_bytes=2 * MIB, sim_module_bytes=2 * MIB,
                             adaptive_success_run=4,
                             memory_planner=bool(kwargs.pop("planner", True)),
                             models={"synthetic": ModelOverrides(max_batch_size=cap, **kwargs)})  # type: ignore[arg-type]
@@ -32,19 +33,23 @@ def make_budget():  # type: ignore[no-untyped-def]
 
 def test_planned_budget_runs_a_large_batch_without_oom(make_budget) -> None:
     backend, budget = make_budget(64)
-    # 0.8 x 64 = 51.2 MiB; (51.2 - 8 - 4) / 4 = 9.8 -> 9 items per forward
-    assert budget.plan.planned_batch_size == 9
+    # 0.8 x 64 = 51.2 MiB, less 4 MiB outside the allocator (context, kernel modules); the 8 MiB of
+    # weights hold a whole 20 MiB segment (requests under 10 MiB get one): (51.2 - 4 - 20 - 4) / 4
+    # = 5.8 -> 5 items per forward
+    assert budget.plan.weights_bytes == 20 * MIB and budget.plan.context_bytes == 4 * MIB
+    assert budget.plan.planned_batch_size == 5
     results, stats = run_batch(backend, list(range(40)), 64, budget=budget)
     assert [r.output for r in results] == list(range(40))
     assert stats.oom_events == 0 and budget.oom_events == 0
-    assert stats.largest_forward <= 9 and budget.largest_forward <= 9
+    assert stats.largest_forward <= 5 and budget.largest_forward <= 5
     assert budget.accounting.peak_bytes() <= budget.limit_bytes
+    assert budget.accounting.max_reserved_bytes() <= budget.plan.cap_bytes
 
 
 def test_soft_guard_splits_when_memory_is_taken(make_budget) -> None:
     backend, budget = make_budget(64)
     assert isinstance(budget.accounting, SimAccounting)
-    budget.accounting.device.allocate(20 * MIB)  # someone else holds memory: only 4 items fit now
+    budget.accounting.device.allocate(12 * MIB)  # something else holds memory: only 2 items fit now
     results, stats = run_batch(backend, list(range(9)), 64, budget=budget)
     assert [r.output for r in results] == list(range(9))
     assert stats.oom_events == 0 and stats.splits >= 1 and budget.batch_splits >= 1
