@@ -110,6 +110,8 @@ class MemoryBudget:
         context = 0 if accounting.kind == "cpu" else plan.context_bytes
         self.limit_bytes = plan.budget_bytes - context
         self._cond = threading.Condition()
+        self._exclusive_held = False  # a probe or a retry has the device to itself
+        self._exclusive_waiting = 0  # ... or waits for it: no new forward is admitted meanwhile
         self._inflight = 0
         self._reserved_bytes = 0  # predicted peaks of the forwards running now
         # The weights' segments count whole (plan.weights_bytes): the free rest of a weights' segment
@@ -160,7 +162,8 @@ class MemoryBudget:
         since it was found to fit alone (`fits_alone`)."""
         predicted = self.predicted_peak_bytes(batch_size, max_item_cost)
         with self._cond:
-            while not self._fits_locked(predicted) and self._inflight > 0:
+            while self._exclusive_held or self._exclusive_waiting or (
+                    not self._fits_locked(predicted) and self._inflight > 0):
                 self._cond.wait()
             admitted = batch_size == 1 or self._fits_locked(predicted)
             if admitted:
@@ -175,6 +178,28 @@ class MemoryBudget:
                     self._inflight -= 1
                     self._reserved_bytes -= predicted
                     self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """The device to this block alone: wait until no admitted forward runs, and admit none until
+        the block ends. For what must not run next to other forwards: the probe that decides the
+        context is lost or the worker unhealthy, and the retry of one item after an OOM (with
+        Settings' max_inflight_batches > 1 a neighbour forward may have held the memory it needed).
+        Not reentrant: a block must not call it again."""
+        with self._cond:
+            self._exclusive_waiting += 1
+            try:
+                while self._inflight > 0 or self._exclusive_held:
+                    self._cond.wait()
+            finally:
+                self._exclusive_waiting -= 1
+            self._exclusive_held = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive_held = False
+                self._cond.notify_all()
 
     def on_split(self) -> None:
         """A batch was split in halves (soft guard or OOM)."""
