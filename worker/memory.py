@@ -16,7 +16,7 @@ from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
 from vramguard.worker.accounting import MemoryAccounting, SimAccounting, open_accounting
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.ledger import DeviceLedger, ledger_dir
+from vramguard.worker.ledger import DeviceLedger, PlacementError, ledger_dir
 from vramguard.worker.plan import (
     Fit, MemoryPlanError, Plan, Sample, fit_peak, measurement_grid, plan_budget, replan, unplanned,
 )
@@ -30,9 +30,9 @@ def measure_samples(
     on_step: Callable[[], None] = lambda: None,
 ) -> list[Sample]:
     """Run one forward per grid point and record its peak (reset_peak_memory_stats, then
-    max_memory_allocated, as https://pytorch.org/docs/stable/notes/cuda.html suggests), or the
-    segments it made the allocator reserve when that is more (max_memory_reserved, from an emptied
-    cache): a forward of 2-10 MiB takes a 20 MiB segment, and the cap binds on reserved memory.
+    max_memory_allocated, as https://pytorch.org/docs/stable/notes/cuda.html suggests) and the
+    segments it made the allocator reserve (max_memory_reserved, from an emptied cache): a forward
+    of 2-10 MiB takes a 20 MiB segment, and the cap binds on reserved memory.
 
     A point that raises OutOfMemoryError ends its row (larger batches will not fit either); the
     cache is emptied after the `except` block, per the PyTorch FAQ on OOM recovery. Raises
@@ -59,8 +59,8 @@ def measure_samples(
             accounting.empty_cache()
             skip_cost = item_cost
             continue
-        peak = max(accounting.peak_bytes() - before, accounting.max_reserved_bytes() - reserved_before)
-        samples.append(Sample(batch_size, item_cost, peak))
+        samples.append(Sample(batch_size, item_cost, accounting.peak_bytes() - before,
+                              accounting.max_reserved_bytes() - reserved_before))
     if not samples:
         raise MemoryPlanError("even one item ran out of memory while measuring")
     return samples
@@ -328,7 +328,12 @@ def start_budget(
         ledger.register_share(settings.effective_memory_share, settings.watermark)
     share = settings.effective_memory_share
     if register and accounting.kind != "cpu":
-        share = check_free_memory(accounting, settings, share)
+        try:
+            share = check_free_memory(accounting, settings, share)
+        except PlacementError:
+            if ledger is not None:
+                ledger.release()  # a worker that does not start holds no share
+            raise
     budget_bytes = int(share * (total_bytes or accounting.total_bytes()))
     if total_bytes is None:
         cap_allocator(accounting, budget_bytes)

@@ -27,11 +27,14 @@ class MemoryPlanError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One measured forward: `batch_size` items of `item_cost` each; `peak_bytes` is the peak
-    allocated during the forward above what was allocated before it (activations, workspace)."""
+    allocated during the forward above what was allocated before it (activations, workspace);
+    `reserved_bytes` the segments it made the allocator reserve from an emptied cache (None: not
+    measured), which may be more (a forward of 2-10 MiB takes a 20 MiB segment)."""
 
     batch_size: int
     item_cost: int
     peak_bytes: int
+    reserved_bytes: int | None = None
 
     @property
     def cost(self) -> int:
@@ -51,7 +54,9 @@ class Fit:
 
 def fit_peak(samples: Sequence[Sample]) -> Fit:
     """Least-squares line through (cost, peak_bytes) (numpy.polyfit), then the intercept raised
-    until no sample lies above the line, so the fit never under-predicts a measured batch.
+    until no sample lies above the line, its reserved bytes included, so the fit never
+    under-predicts a measured batch nor the segments it took (the slope comes from the allocated
+    peaks: the segment sizes are a step function of the request, not a line).
 
     A negative slope (measurement noise, e.g. CPU RSS) is clamped to 0. With one distinct cost
     all memory is charged per unit (fixed 0), the conservative reading. Raises ValueError for no samples.
@@ -60,11 +65,14 @@ def fit_peak(samples: Sequence[Sample]) -> Fit:
         raise ValueError("no memory samples to fit")
     costs = np.array([s.cost for s in samples], dtype=np.float64)
     peaks = np.array([max(0, s.peak_bytes) for s in samples], dtype=np.float64)
+    reserved = np.array([max(0, s.peak_bytes if s.reserved_bytes is None else s.reserved_bytes) for s in samples],
+                        dtype=np.float64)
     if len(set(costs.tolist())) < 2:
-        return Fit(0, float(np.max(peaks / costs)))
+        slope = float(np.max(peaks / costs))
+        return Fit(int(math.ceil(max(0.0, float(np.max(reserved - slope * costs))))), slope)
     slope, _intercept = np.polyfit(costs, peaks, 1)
     slope = max(0.0, round(float(slope), 6))
-    fixed = max(0.0, float(np.max(peaks - slope * costs)))
+    fixed = max(0.0, float(np.max(peaks - slope * costs)), float(np.max(reserved - slope * costs)))
     return Fit(int(math.ceil(fixed)), slope)
 
 
