@@ -127,6 +127,12 @@ class PlacedSupervisor:
             self.proc.wait()
 
 
+def serving_ooms(logs: str) -> int:
+    """OOM events while serving, from the workers' "batch done" log lines (the warmup's own
+    batch, run before the plan exists, is not serving)."""
+    return sum(int(n) for n in re.findall(r'"message": "batch done".*?"oom_events": (\d+)', logs))
+
+
 async def live_counts(client: httpx.AsyncClient, models: list[str]) -> dict[str, int]:
     counts = {}
     for model in models:
@@ -217,7 +223,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
     return {
         "seed": placement.seed, "placement": placement.describe(), "workers": placement.workers,
         "sent": tally.sent, "failed": tally.failed, "failures": dict(tally.failures or {}),
-        "oom_events": logs.count("out of memory; cache freed"), "kills": len(processes),
+        "oom_events": serving_ooms(logs), "kills": len(processes),
         "max_used_mib": max(w.max_used_bytes for w in watches) / MIB,
         "max_over_cap_bytes": max(w.max_over_cap_bytes for w in watches),
         "closest_to_cap": max((w.worst_reserved_vs_cap for w in watches), key=lambda rc: rc[0] - rc[1]),
@@ -227,6 +233,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 async def test_random_placements_never_run_a_gpu_out_of_memory(stack: Stack, tmp_path: Path) -> None:
     """For each of 20 seeded random placements (1-4 simulated GPUs of 1 GiB, 1-5 workers per GPU,
     1-3 synthetic models with random weights, item sizes and shares):

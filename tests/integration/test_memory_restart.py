@@ -23,6 +23,7 @@ SIM_BYTES = 512 * MIB
 # (46 to 256 MiB) takes more than a share of 0.4 (204.8 MiB) holds next to the weights.
 PARAMS = json.dumps({"batch_ms": 5, "weights_mib": 128, "fixed_mib": 16, "item_mib": 30})
 RESTARTS = 10
+CLIENTS = 10
 
 
 async def beats(client: httpx.AsyncClient) -> dict[str, dict[str, object]]:
@@ -33,10 +34,11 @@ async def beats(client: httpx.AsyncClient) -> dict[str, dict[str, object]]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 async def test_a_worker_restarted_10_times_next_to_a_busy_one_never_takes_its_memory(
     stack: Stack, tmp_path: Path,
 ) -> None:
-    """1. One simulated GPU of 512 MiB; worker A with a share of 0.4 serves 20 closed-loop clients.
+    """1. One simulated GPU of 512 MiB; worker A with a share of 0.4 serves 10 closed-loop clients.
     2. Worker B, share 0.4, starts next to it (its measuring grid would need more than its share),
        becomes live and is SIGKILLed, 10 times over, while the load runs.
     3. A watcher reads the GPU's ledger (what NVML would show per process) all along.
@@ -50,7 +52,7 @@ async def test_a_worker_restarted_10_times_next_to_a_busy_one_never_takes_its_me
     stack.start_worker({"CUDA_VISIBLE_DEVICES": "0"}, worker_name="worker-a", **common)
     await stack.wait_ready()
     with GpuWatch(ledger, "sim-0") as watch:
-        async with Load(stack.url, clients=20) as load, httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+        async with Load(stack.url, clients=CLIENTS) as load, httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             done = asyncio.Event()
             traffic = asyncio.create_task(load_until(load, done))
             for i in range(RESTARTS):  # a fresh name each time: the killed one's heartbeat outlives it
