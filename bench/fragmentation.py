@@ -115,7 +115,8 @@ def _serve(forwards: int, seed: int) -> dict[str, object]:
         run_batch(backend, items, MAX_BATCH, budget=budget)
     device = budget.accounting.device  # type: ignore[attr-defined]
     return {
-        "expandable_segments": device.alloc.expandable_segments, "forwards": forwards, "seconds": round(time.monotonic() - started, 1),
+        "expandable_segments": device.alloc.expandable_segments, "forwards": forwards,
+        "seconds": round(time.monotonic() - started, 1),
         "cap_bytes": budget.plan.cap_bytes, "max_reserved_bytes": device.max_memory_reserved(),
         "max_allocated_bytes": device.max_memory_allocated(),
         "held_beyond_allocated_peak_bytes": device.max_memory_reserved() - device.max_memory_allocated(),

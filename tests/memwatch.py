@@ -61,6 +61,7 @@ class GpuWatch:
 
     def summary(self) -> str:
         reserved, cap = self.worst_reserved_vs_cap
-        return (f"samples={self.samples} processes={self.processes_seen} max device used={self.max_used_bytes / MIB:.1f} "
+        return (f"samples={self.samples} processes={self.processes_seen} "
+                f"max device used={self.max_used_bytes / MIB:.1f} "
                 f"MiB, max reserved={self.max_reserved_bytes / MIB:.1f} MiB, closest to its cap: reserved "
                 f"{reserved / MIB:.1f} MiB of cap {cap / MIB:.1f} MiB")

@@ -319,7 +319,8 @@ def open_accounting(device: str, sim_total_bytes: int, gpu: str | None = None,
         return CpuAccounting()
     if device == "sim":
         ledger = DeviceLedger(ledger_folder, f"sim-{gpu}") if gpu and ledger_folder else None
-        expandable = "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        expandable = "expandable_segments:true" in conf
         device_ = simdevice.configure(sim_total_bytes, ledger, context_bytes=sim_context_bytes,
                                       module_bytes=sim_module_bytes, expandable_segments=expandable)
         return SimAccounting(device_, gpu or "0")

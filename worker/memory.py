@@ -18,7 +18,15 @@ from vramguard.worker.accounting import MemoryAccounting, SimAccounting, open_ac
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.ledger import DeviceLedger, PlacementError, ledger_dir
 from vramguard.worker.plan import (
-    Fit, MemoryPlanError, Plan, Sample, fit_peak, measurement_grid, plan_budget, replan, unplanned,
+    Fit,
+    MemoryPlanError,
+    Plan,
+    Sample,
+    fit_peak,
+    measurement_grid,
+    plan_budget,
+    replan,
+    unplanned,
 )
 
 __all__ = ["AdaptiveCap", "MemoryBudget", "MemoryPlanError", "build_plan", "cap_allocator", "measure_samples",
@@ -226,7 +234,8 @@ class MemoryBudget:
             "device_kind": a.kind, "mem_total_bytes": a.total_bytes(), "mem_allocated_bytes": a.allocated_bytes(),
             "mem_reserved_bytes": a.reserved_bytes(), "mem_peak_bytes": a.peak_bytes(),
             "mem_budget_bytes": p.budget_bytes, "mem_cap_bytes": p.cap_bytes, "mem_outside_bytes": a.context_bytes(),
-            "mem_max_reserved_bytes": a.max_reserved_bytes(), "oom_events": self.oom_events, "batch_splits": self.batch_splits,
+            "mem_max_reserved_bytes": a.max_reserved_bytes(), "oom_events": self.oom_events,
+            "batch_splits": self.batch_splits,
             "adaptive_batch_cap": self.cap.value, "largest_forward": self.largest_forward,
             "max_concurrent_forwards": self.max_concurrent_forwards,
             "memory_share": p.memory_share, "gpu_uuid": a.device_uuid(),

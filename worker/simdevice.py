@@ -35,6 +35,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from vramguard.worker.ledger import DeviceLedger
 from vramguard.worker.simalloc import MIB, MIN_BLOCK_SIZE, Block, CachingAllocator, Segment
@@ -140,7 +141,8 @@ class SimDevice:
             return [mine]
         with self.ledger.update() as record:
             self._record(record)
-            return [DeviceProcess(int(p.get("pid", 0)), int(p.get("reserved_bytes", 0)) + int(p.get("outside_bytes", 0)))
+            return [DeviceProcess(int(p.get("pid", 0)),
+                                  int(p.get("reserved_bytes", 0)) + int(p.get("outside_bytes", 0)))
                     for p in record["processes"].values()]
 
     # --- what models call ---
@@ -242,9 +244,9 @@ class SimDevice:
             entry["reserved_bytes"] += size  # the allocator adds the segment right after this returns
         return True
 
-    def _record(self, record: dict[str, object]) -> dict[str, int]:
+    def _record(self, record: dict[str, Any]) -> dict[str, Any]:
         assert self.ledger is not None
-        entry = self.ledger.mine(record)  # type: ignore[arg-type]
+        entry = self.ledger.mine(record)
         entry["reserved_bytes"] = self.alloc.reserved
         entry["outside_bytes"] = self.outside_bytes
         entry["cap_bytes"] = self.limit_bytes

@@ -61,7 +61,8 @@ async def test_load_and_report_pass_on_two_simulated_workers(stack: Stack, tmp_p
         await wait_until(both, 60)
     load = gpu_check("load", "--url", stack.url, "--model", "synthetic", "-n", "50")
     assert load.returncode == 0 and "PASS  no request lost" in load.stdout, load.stdout + load.stderr
-    report = gpu_check("report", "--url", stack.url, "--model", "synthetic", "--workers", "2", "--sim-ledger", str(ledger))
+    report = gpu_check("report", "--url", stack.url, "--model", "synthetic", "--workers", "2",
+                       "--sim-ledger", str(ledger))
     lines = report.stdout.splitlines()
     assert report.returncode == 0 and len(lines) == 8 and all(line.startswith("PASS") for line in lines), report.stdout
     assert sum("check-0" in line for line in lines) == 3 and "budgets <= watermark x total" in lines[-1]

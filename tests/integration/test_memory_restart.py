@@ -5,6 +5,7 @@ neighbour never runs out of memory inside its own share."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import signal
 import subprocess
@@ -52,12 +53,13 @@ async def test_a_worker_restarted_10_times_next_to_a_busy_one_never_takes_its_me
     stack.start_worker({"CUDA_VISIBLE_DEVICES": "0"}, worker_name="worker-a", **common)
     await stack.wait_ready()
     with GpuWatch(ledger, "sim-0") as watch:
-        async with Load(stack.url, clients=CLIENTS) as load, httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+        async with Load(stack.url, clients=CLIENTS) as load, \
+                httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
             done = asyncio.Event()
             traffic = asyncio.create_task(load_until(load, done))
             for i in range(RESTARTS):  # a fresh name each time: the killed one's heartbeat outlives it
                 b = stack.start_worker({"CUDA_VISIBLE_DEVICES": "0"}, worker_name=f"worker-b{i}", **common)
-                await wait_until(lambda: _b_live(client, b, f"worker-b{i}"), 120, interval_s=0.2)
+                await wait_until(functools.partial(_b_live, client, b, f"worker-b{i}"), 120, interval_s=0.2)
                 b.send_signal(signal.SIGKILL)
                 b.wait()
             done.set()
