@@ -344,15 +344,21 @@ def start_budget(
                 ledger.release()  # a worker that does not start holds no share
             raise
     budget_bytes = int(share * (total_bytes or accounting.total_bytes()))
+    on_cpu = accounting.kind == "cpu"
+    resident = accounting.context_bytes()  # on the CPU: the resident set before the weights
     if total_bytes is None:
         cap_allocator(accounting, budget_bytes)
     weights = load_weights(backend, accounting, share)
     warm_up()
-    context = cap_allocator(accounting, budget_bytes) if total_bytes is None else accounting.context_bytes()
+    if on_cpu:
+        context = resident
+    else:
+        context = cap_allocator(accounting, budget_bytes) if total_bytes is None else accounting.context_bytes()
     plan = build_plan(backend, accounting, settings, config, context_bytes=context, weights_bytes=weights,
                       total_bytes=total_bytes, on_step=on_step, memory_share=share)
     accounting.empty_cache()
-    plan = replan(plan, accounting.context_bytes())
+    if not on_cpu:  # kernel modules for the full-size forwards load lazily, outside the allocator
+        plan = replan(plan, accounting.context_bytes())
     if total_bytes is None:
         accounting.limit_fraction(plan.memory_fraction)
     accounting.reset_peak()
