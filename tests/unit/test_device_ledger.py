@@ -105,12 +105,22 @@ def test_workers_in_other_pid_namespaces_are_counted_and_released_when_killed(
     assert eventually(lambda: ledger.register_share(0.4, watermark=0.8)) == pytest.approx(0.4)
 
 
-def test_a_kill_mid_write_never_loses_the_other_entries(tmp_path: Path, neighbour: Neighbour) -> None:
-    """An update writes a new file and renames it: a writer killed between the two leaves the old
-    record whole (here: the temporary file of a writer that died before its rename)."""
+def test_a_writer_that_dies_mid_write_never_loses_the_other_entries(
+    tmp_path: Path, neighbour: Neighbour, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1. A neighbour holds a share of 0.3. This process's update fails half way through writing
+       (its serialisation raises, where a SIGKILL would stop it).
+    Result: the record on disk is the old one, whole: the neighbour's share is still counted."""
     neighbour(share=0.3)
     ledger = DeviceLedger(tmp_path, "sim-0")
-    (tmp_path / "sim-0.json.deadbeef.tmp").write_text('{"processes": {"x"')  # a half-written update
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr("vramguard.worker.ledger.json.dumps", broken)
+    with pytest.raises(OSError, match="killed mid-write"):
+        ledger.register_share(0.2, watermark=0.8)
+    monkeypatch.undo()
     assert ledger.register_share(0.5, watermark=0.8) == pytest.approx(0.3)
 
 
