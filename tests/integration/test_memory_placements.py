@@ -237,7 +237,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(3600)
 async def test_random_placements_never_run_a_gpu_out_of_memory(stack: Stack, tmp_path: Path) -> None:
     """For each of 20 seeded random placements (1-4 simulated GPUs of 1 GiB, 1-5 workers per GPU,
     1-3 synthetic models with random weights, item sizes and shares):
