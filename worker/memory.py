@@ -309,6 +309,23 @@ def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: flo
     return max(0, accounting.allocated_bytes() - before, accounting.reserved_bytes() - reserved_before)
 
 
+def warm_up_within(warm_up: Callable[[], None], accounting: MemoryAccounting, budget_bytes: int, weights: int) -> None:
+    """Run the warmup under the cap. Raises MemoryPlanError when it runs out of memory even one item
+    at a time (the budget cannot hold the model: a placement problem, not a lost context)."""
+    from vramguard.worker.execute import CudaContextLost
+
+    try:
+        warm_up()
+    except CudaContextLost as exc:
+        if "out of memory" not in str(exc):
+            raise
+        outside = accounting.context_bytes() if accounting.kind != "cpu" else 0
+        raise MemoryPlanError(
+            f"memory budget {budget_bytes / 2**20:.1f} MiB cannot hold the warmup's forward next to this "
+            f"process's memory outside the allocator and its weights ({(outside + weights) / 2**20:.1f} MiB)"
+        ) from None
+
+
 def start_budget(
     backend: ModelBackend, settings: Settings, config: ModelConfig, *, warm_up: Callable[[], None] = lambda: None,
     total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None, register: bool = True,
@@ -349,7 +366,7 @@ def start_budget(
     if total_bytes is None:
         cap_allocator(accounting, budget_bytes)
     weights = load_weights(backend, accounting, share)
-    warm_up()
+    warm_up_within(warm_up, accounting, budget_bytes, weights)
     if on_cpu:
         context = resident
     else:
