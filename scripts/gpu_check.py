@@ -1,11 +1,13 @@
-"""Helpers of scripts/gpu_check.sh (needs a CUDA GPU; torchvision for `resnet`).
+"""Helpers of scripts/gpu_check.sh (a CUDA GPU for `resnet` and NVML; tests run `report` against the
+simulated device).
 
     python scripts/gpu_check.py resnet [--total-bytes N]   profile torchvision ResNet-50 in fp16
     python scripts/gpu_check.py load --url URL --model minilm -n 500
-        fire N concurrent requests, then print each worker's memory from its heartbeat,
-        the OOM count and the requests lost (must be 0)
-    python scripts/gpu_check.py shares --url URL --model minilm --workers 2
-        after `load` on several workers of one GPU: their budgets add up, no OOM
+        fire N concurrent requests; PASS when no request is lost
+    python scripts/gpu_check.py report --url URL --model minilm --workers 3 [--gpu 0] [--sim-ledger DIR]
+        per worker of one GPU: NVML's per-process used memory vs share x total, max reserved vs
+        the allocator cap, the plan's numbers, OOM events; the budgets vs watermark x total;
+        PASS/FAIL per check (with --sim-ledger: a simulated GPU's ledger instead of NVML)
 """
 
 from __future__ import annotations
@@ -80,7 +82,9 @@ def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
     return {"model": "resnet50-fp16", "device": "cuda", **budget.plan.as_dict()}
 
 
-async def fire(url: str, model: str, n: int) -> None:
+async def fire(url: str, model: str, n: int) -> tuple[dict[int, int], int]:
+    """`n` concurrent requests to `model` (one in 8 at the model's maximum length). Returns the count
+    of each status (-1: no HTTP answer) and the requests lost (anything but 200 and 413)."""
     import httpx
 
     texts = [f"short text {i}" if i % 8 else " ".join(["long"] * 300) for i in range(n)]
@@ -94,36 +98,67 @@ async def fire(url: str, model: str, n: int) -> None:
                 return -1
 
         statuses = await asyncio.gather(*(one(t) for t in texts))
-        await asyncio.sleep(2)  # one more heartbeat carries the final counters
-        workers = (await client.get(f"/v1/models/{model}")).json()["workers"]
     counts = {s: statuses.count(s) for s in sorted(set(statuses))}
-    lost = sum(c for s, c in counts.items() if s not in (200, 413))
-    print(f"requests: {n}  statuses: {counts}  requests lost: {lost}")
-    for worker_id, beat in workers.items():
-        peak, budget = int(beat["mem_peak_bytes"]), int(beat["mem_budget_bytes"])
-        print(f"worker {worker_id}: gpu {beat['gpu']} {beat['gpu_uuid']} share {beat['memory_share']} | context "
-              f"{beat['plan_context_bytes']} weights {beat['plan_weights_bytes']} fixed {beat['plan_fixed_bytes']} "
-              f"per_token {beat['plan_per_token_bytes']} | planned batch {beat['plan_batch_size']} items / "
-              f"{beat['plan_batch_tokens']} tokens | peak allocated {peak} vs budget {budget} "
-              f"({'OK' if peak <= budget else 'OVER'}) | oom_events {beat['oom_events']} "
-              f"batch_splits {beat['batch_splits']} adaptive_batch_cap {beat['adaptive_batch_cap']}")
-    sys.exit(1 if lost else 0)
+    return counts, sum(c for s, c in counts.items() if s not in (200, 413))
 
 
-def shares_add_up(url: str, model: str, expected: int) -> None:
-    """Workers sharing one GPU: `expected` of them live, no OOM, and their budgets add up to at
-    most the watermark x the GPU's total (each heartbeat's mem_budget_bytes, mem_total_bytes).
-    Exits 1 otherwise."""
+def nvml_used_by_pid(gpu: str) -> dict[int, int]:
+    """NVML's used memory per compute process on `gpu` (an index or a UUID), in bytes."""
+    from vramguard.worker.accounting import _nvml_processes
+
+    return dict(_nvml_processes(gpu))
+
+
+def sim_used_by_pid(ledger_folder: Path, gpu: str) -> dict[int, int]:
+    """The simulated GPU's per-process used memory (reserved + outside the allocator), from its ledger:
+    what NVML shows on a real GPU (the helpers run against it on the CPU)."""
+    record = json.loads((ledger_folder / f"sim-{gpu}.json").read_text())
+    return {int(p["pid"]): int(p.get("reserved_bytes", 0)) + int(p.get("outside_bytes", 0))
+            for p in record["processes"].values()}
+
+
+def check_workers(beats: dict[str, dict[str, object]], used_by_pid: dict[int, int], expected: int,
+                  watermark: float = WATERMARK) -> list[tuple[str, bool, str]]:
+    """The memory promise per worker of one GPU, from their heartbeats and the device's per-process
+    used memory: (check, passed, detail) for the worker count, and per worker: the device's used
+    memory of its process <= share x total, its highest reserved <= its allocator cap, no OOM;
+    and the workers' budgets <= watermark x total."""
+    checks = [("workers live", len(beats) == expected, f"{len(beats)} of {expected}")]
+    total = max((int(str(b["mem_total_bytes"])) for b in beats.values()), default=0)
+    for worker_id, beat in sorted(beats.items()):
+        share, pid = float(str(beat["memory_share"])), int(str(beat["pid"]))
+        used = used_by_pid.get(pid)
+        budget = int(share * total)
+        checks.append((f"{worker_id} used <= share x total", used is not None and used <= budget,
+                       f"pid {pid} uses {used} bytes of share {share:g} x {total} = {budget}"))
+        cap, reserved = int(str(beat["mem_cap_bytes"])), int(str(beat["mem_max_reserved_bytes"]))
+        checks.append((f"{worker_id} reserved <= cap", reserved <= cap,
+                       f"max reserved {reserved} vs cap {cap} (context {beat['plan_context_bytes']}, weights "
+                       f"{beat['plan_weights_bytes']}, fixed {beat['plan_fixed_bytes']}, per token "
+                       f"{beat['plan_per_token_bytes']}, batch {beat['plan_batch_size']} items / "
+                       f"{beat['plan_batch_tokens']} tokens)"))
+        checks.append((f"{worker_id} no OOM", int(str(beat["oom_events"])) == 0, f"oom_events {beat['oom_events']}"))
+    budgets = sum(int(str(b["mem_budget_bytes"])) for b in beats.values())
+    checks.append(("budgets <= watermark x total", budgets <= watermark * total + 1,
+                   f"{budgets} of {watermark:g} x {total}"))
+    return checks
+
+
+def print_checks(checks: list[tuple[str, bool, str]]) -> bool:
+    """One line per check, PASS or FAIL; returns whether all passed."""
+    for name, passed, detail in checks:
+        print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
+    return all(passed for _name, passed, _detail in checks)
+
+
+def report(url: str, model: str, expected: int, gpu: str, sim_ledger: Path | None) -> bool:
+    """Print the checks of `check_workers` for the live workers of `model` (per-process memory from
+    NVML, or from the simulated GPU's ledger under `sim_ledger`); returns whether all passed."""
     import httpx
 
-    workers = httpx.get(f"{url}/v1/models/{model}", timeout=10).json()["workers"]
-    budgets = sum(int(b["mem_budget_bytes"]) for b in workers.values())
-    total = max((int(b["mem_total_bytes"]) for b in workers.values()), default=0)
-    ooms = sum(int(b["oom_events"]) for b in workers.values())
-    ok = len(workers) == expected and ooms == 0 and budgets <= WATERMARK * total
-    print(f"{len(workers)} of {expected} workers on one GPU: budgets add up to {budgets} bytes of "
-          f"{WATERMARK} x {total} = {WATERMARK * total:.0f}; OOM events {ooms} -> {'OK' if ok else 'FAILED'}")
-    sys.exit(0 if ok else 1)
+    beats = httpx.get(f"{url}/v1/models/{model}", timeout=10).json()["workers"]
+    used = sim_used_by_pid(sim_ledger, gpu) if sim_ledger is not None else nvml_used_by_pid(gpu)
+    return print_checks(check_workers(beats, used, expected))
 
 
 def main() -> None:
@@ -136,10 +171,12 @@ def main() -> None:
     load.add_argument("--url", required=True)
     load.add_argument("--model", default="minilm")
     load.add_argument("-n", type=int, default=500)
-    shares = sub.add_parser("shares")  # after `load` on a stack of several workers on one GPU
-    shares.add_argument("--url", required=True)
-    shares.add_argument("--model", default="minilm")
-    shares.add_argument("--workers", type=int, required=True)
+    check = sub.add_parser("report")  # after `load`: the memory promise per worker of one GPU
+    check.add_argument("--url", required=True)
+    check.add_argument("--model", default="minilm")
+    check.add_argument("--workers", type=int, required=True)
+    check.add_argument("--gpu", default="0")
+    check.add_argument("--sim-ledger", type=Path, help="read a simulated GPU's ledger instead of NVML")
     args = parser.parse_args()
     if args.command == "resnet":
         from vramguard.worker.profile import render_table
@@ -147,10 +184,12 @@ def main() -> None:
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))
         print(json.dumps(result))
-    elif args.command == "shares":
-        shares_add_up(args.url, args.model, args.workers)
+    elif args.command == "report":
+        sys.exit(0 if report(args.url, args.model, args.workers, args.gpu, args.sim_ledger) else 1)
     else:
-        asyncio.run(fire(args.url, args.model, args.n))
+        counts, lost = asyncio.run(fire(args.url, args.model, args.n))
+        print(f"requests: {args.n}  statuses: {counts}  requests lost: {lost}")
+        sys.exit(0 if print_checks([("no request lost", lost == 0, f"{lost} lost")]) else 1)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,9 @@ class WorkerBeat:
     mem_reserved_bytes: int | None = None
     mem_peak_bytes: int | None = None
     mem_budget_bytes: int | None = None
+    mem_cap_bytes: int | None = None  # the allocator's cap: (budget - outside) (set_per_process_memory_fraction)
+    mem_outside_bytes: int | None = None  # this process's memory outside the allocator (context, kernel modules)
+    mem_max_reserved_bytes: int | None = None  # highest reserved since the plan was made (max_memory_reserved)
     oom_events: int = 0
     batch_splits: int = 0
     adaptive_batch_cap: int | None = None  # items per forward now, after OOMs (<= plan_batch_size)

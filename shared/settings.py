@@ -136,7 +136,8 @@ class Settings(BaseSettings):
     # --- memory budget and placement ---
     # The worker plans its batches from measured memory (worker/memory.py): its budget is its
     # share of the device, memory_share x total device memory, and
-    # torch.cuda.set_per_process_memory_fraction hard-caps the process at that share. The shares
+    # torch.cuda.set_per_process_memory_fraction caps its allocator, before the first byte, at that
+    # share less its own memory outside the allocator (CUDA context, kernel modules). The shares
     # of the workers on one device add up to at most the watermark (worker/ledger.py checks it
     # on each host; vramguard/cli/placement.py before anything starts).
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
@@ -150,11 +151,20 @@ class Settings(BaseSettings):
     )
     sim_gpus: int = Field(0, ge=0, le=64)  # `make up`: simulated GPUs the host has (0: look for real ones)
     # Where workers on this host keep their per-device ledgers (registered shares; the simulated
-    # devices' memory). Unset: <tmp>/vramguard-devices. Processes that share a GPU must share it.
+    # devices' memory). Unset: <tmp>/vramguard-devices. Processes that share a GPU must share it
+    # (containers: one volume / hostPath per host, README "Memory").
     device_ledger_dir: str | None = None
+    # At start a worker checks that its GPU has its budget free (mem_get_info): "refuse" exits (code 3)
+    # naming the GPU, what is free, what it needs and who holds the rest; "warn" (a GPU shared with
+    # tenants the operator knows about) logs that loudly and plans on what is free.
+    memory_check: Literal["refuse", "warn"] = "refuse"
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
+    # The simulated device's memory outside the allocator per process (worker/simdevice.py): the CUDA
+    # context from the start, kernel modules from the first forward (lazy loading).
+    sim_context_bytes: int = Field(8 * 1024 * 1024, ge=0)
+    sim_module_bytes: int = Field(4 * 1024 * 1024, ge=0)
     fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
     #                                           raises a CUDA error (one-shot, survives the restart it causes)
 

@@ -30,14 +30,25 @@ class MemoryAccounting(Protocol):
     def peak_bytes(self) -> int:
         """Highest allocated since the last `reset_peak`."""
 
+    def max_reserved_bytes(self) -> int:
+        """Highest reserved since the last `reset_peak` (torch.cuda.max_memory_reserved)."""
+
     def reset_peak(self) -> None: ...
 
     def empty_cache(self) -> None:
         """Give cached, unused blocks back to the device (after an OOM)."""
 
     def context_bytes(self) -> int:
-        """What this process itself holds on the device outside the allocator before any weights
-        (on CUDA its context), never what neighbouring processes hold."""
+        """What this process itself holds on the device outside the allocator now (on CUDA its
+        context and the kernel modules loaded so far), never what neighbouring processes hold.
+        Measured afresh on each call where the device tells (NVML per process, the simulator)."""
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the device as its driver sees them (every process counted)."""
+
+    def other_processes(self) -> list[tuple[int, int]]:
+        """(pid, used bytes) of the other processes on the device, where the device tells (NVML,
+        the simulator's ledger); empty otherwise."""
 
     def device_uuid(self) -> str:
         """The device's UUID ("GPU-..." on CUDA, "SIM-<gpu>" on sim, "" on the CPU)."""
@@ -62,6 +73,7 @@ class CudaAccounting:
         import torch
 
         self._cuda = torch.cuda
+        self._gpu = gpu
         used_before = _nvml_used_bytes(gpu)
         self._cuda.init()  # type: ignore[no-untyped-call]
         self._cuda.synchronize()
@@ -79,6 +91,9 @@ class CudaAccounting:
     def peak_bytes(self) -> int:
         return int(self._cuda.max_memory_allocated())
 
+    def max_reserved_bytes(self) -> int:
+        return int(self._cuda.max_memory_reserved())
+
     def reset_peak(self) -> None:
         self._cuda.reset_peak_memory_stats()
 
@@ -86,7 +101,20 @@ class CudaAccounting:
         self._cuda.empty_cache()
 
     def context_bytes(self) -> int:
+        """The context as measured at start, raised to NVML's per-process used minus reserved now
+        when NVML lists this process (it does unless a container hides the host's PIDs): lazily
+        loaded kernel modules (cuBLAS, cuDNN) land there after the first forwards."""
+        now = _nvml_own_outside(self._gpu, self.reserved_bytes())
+        if now is not None:
+            self._context = now
         return self._context
+
+    def mem_get_info(self) -> tuple[int, int]:
+        free, total = self._cuda.mem_get_info()
+        return int(free), int(total)
+
+    def other_processes(self) -> list[tuple[int, int]]:
+        return _nvml_processes(self._gpu, exclude=os.getpid())
 
     def device_uuid(self) -> str:
         uuid = str(getattr(self._cuda.get_device_properties(self._cuda.current_device()), "uuid", ""))
@@ -122,17 +150,30 @@ def _nvml_used_bytes(gpu: str | None) -> int | None:
         return None
 
 
-def _measure_context(gpu: str | None, used_before: int | None, reserved: int) -> int:
-    """This process's device memory outside the allocator: NVML's per-process figure, else the
-    device-used delta across CUDA initialisation, else CUDA_CONTEXT_FALLBACK_BYTES."""
+def _nvml_processes(gpu: str | None, exclude: int | None = None) -> list[tuple[int, int]]:
+    """(pid, used bytes) of the compute processes NVML lists on the GPU; empty without NVML."""
     try:
         import pynvml
 
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(gpu)):
-            if proc.pid == os.getpid() and proc.usedGpuMemory:
-                return max(0, int(proc.usedGpuMemory) - reserved)
-    except Exception:  # noqa: BLE001 - NVML missing or this PID hidden from it
-        pass
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(_nvml_handle(gpu))
+    except Exception:  # noqa: BLE001 - NVML missing: the caller says nothing about processes
+        return []
+    return [(int(p.pid), int(p.usedGpuMemory or 0)) for p in procs if p.pid != exclude]
+
+
+def _nvml_own_outside(gpu: str | None, reserved: int) -> int | None:
+    """NVML's used memory of this process minus what its allocator reserves; None where NVML does
+    not list this PID (no NVML, or a container that hides the host's PIDs)."""
+    own = [used for pid, used in _nvml_processes(gpu) if pid == os.getpid()]
+    return max(0, own[0] - reserved) if own and own[0] else None
+
+
+def _measure_context(gpu: str | None, used_before: int | None, reserved: int) -> int:
+    """This process's device memory outside the allocator: NVML's per-process figure, else the
+    device-used delta across CUDA initialisation, else CUDA_CONTEXT_FALLBACK_BYTES."""
+    own = _nvml_own_outside(gpu, reserved)
+    if own is not None:
+        return own
     used_after = _nvml_used_bytes(gpu)
     if used_before is not None and used_after is not None:
         return max(0, used_after - used_before - reserved)
@@ -173,6 +214,9 @@ class CpuAccounting:
             return hwm * 1024
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
+    def max_reserved_bytes(self) -> int:
+        return self.peak_bytes()
+
     def reset_peak(self) -> None:
         try:
             Path("/proc/self/clear_refs").write_text("5")
@@ -185,6 +229,19 @@ class CpuAccounting:
     def context_bytes(self) -> int:
         """The resident set before any weights: the interpreter, torch and the libraries."""
         return self.allocated_bytes()
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(available RAM, total RAM): /proc/meminfo's MemAvailable."""
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, self.total_bytes()
+        except OSError:
+            pass
+        return self.total_bytes(), self.total_bytes()
+
+    def other_processes(self) -> list[tuple[int, int]]:
+        return []
 
     def device_uuid(self) -> str:
         return ""
@@ -214,6 +271,9 @@ class SimAccounting:
     def peak_bytes(self) -> int:
         return self.device.max_memory_allocated()
 
+    def max_reserved_bytes(self) -> int:
+        return self.device.max_memory_reserved()
+
     def reset_peak(self) -> None:
         self.device.reset_peak_memory_stats()
 
@@ -221,7 +281,19 @@ class SimAccounting:
         self.device.empty_cache()
 
     def context_bytes(self) -> int:
-        return 0  # the simulated device models no context
+        """The simulator's own figure: its context, plus its kernel modules once loaded."""
+        return self.device.outside_bytes
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.device.mem_get_info()
+
+    def other_processes(self) -> list[tuple[int, int]]:
+        """The other processes of the simulated GPU's ledger (this one is the entry with its PID
+        and the same used bytes; PIDs of other containers may repeat, which only names them)."""
+        mine = self.device.alloc.reserved + self.device.outside_bytes
+        procs = [(p.pid, p.used_bytes) for p in self.device.processes()]
+        own = next((i for i, (pid, used) in enumerate(procs) if pid == os.getpid() and used == mine), None)
+        return [p for i, p in enumerate(procs) if i != own]
 
     def device_uuid(self) -> str:
         return f"SIM-{self.gpu}"
@@ -231,13 +303,15 @@ class SimAccounting:
 
 
 def open_accounting(device: str, sim_total_bytes: int, gpu: str | None = None,
-                    ledger_folder: Path | None = None) -> MemoryAccounting:
+                    ledger_folder: Path | None = None, *, sim_context_bytes: int = 0,
+                    sim_module_bytes: int = 0) -> MemoryAccounting:
     """The accounting for a resolved device string ("cuda", "cuda:0", "cpu", "sim").
 
     For "sim" this creates the process's simulated device of `sim_total_bytes` (so call it before
     the backend loads its weights): the simulated GPU `gpu` shared through its ledger in
-    `ledger_folder` when both are given, else a device of this process alone. Raises ValueError
-    for another device.
+    `ledger_folder` when both are given, else a device of this process alone, with
+    `sim_context_bytes` / `sim_module_bytes` outside its allocator and expandable segments when
+    PYTORCH_CUDA_ALLOC_CONF says so (as PyTorch reads it). Raises ValueError for another device.
     """
     if device.startswith("cuda"):
         return CudaAccounting(gpu)
@@ -245,5 +319,9 @@ def open_accounting(device: str, sim_total_bytes: int, gpu: str | None = None,
         return CpuAccounting()
     if device == "sim":
         ledger = DeviceLedger(ledger_folder, f"sim-{gpu}") if gpu and ledger_folder else None
-        return SimAccounting(simdevice.configure(sim_total_bytes, ledger), gpu or "0")
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").replace(" ", "").lower()
+        expandable = "expandable_segments:true" in conf
+        device_ = simdevice.configure(sim_total_bytes, ledger, context_bytes=sim_context_bytes,
+                                      module_bytes=sim_module_bytes, expandable_segments=expandable)
+        return SimAccounting(device_, gpu or "0")
     raise ValueError(f"no memory accounting for device {device!r}")

@@ -4,12 +4,14 @@ forward, split, encode, in chunks that fit the memory budget (items and padded c
 Failures stay as small as they can be (docs/architecture.md "Memory"):
 - a model failure: the chunk's items are retried one by one, so only the failing item gets
   `model_error`;
-- `torch.cuda.OutOfMemoryError`: free the allocator cache, lower the adaptive cap, split the
-  chunk in halves and retry each; an item that OOMs alone gets 413 `input_too_large`;
+- `torch.cuda.OutOfMemoryError`, or an allocation failure of cuBLAS/cuDNN/cuRAND (`is_oom`): free
+  the allocator cache, lower the adaptive cap, split the chunk in halves and retry each; an item
+  that OOMs alone is retried once with the device to itself (other forwards may have held the
+  memory it needed), and if it OOMs then too it gets 413 `input_too_large`;
 - a chunk the soft guard finds too large for the budget, even with no other forward running,
   is split the same way before any forward (with concurrent forwards it first waits for room);
-- any other CUDA error, or OOM that persists (a one-item probe that fit at warmup OOMs too):
-  `CudaContextLost`, and the worker exits without acking (runner.py).
+- any other CUDA error, or OOM that persists (a one-item probe that fit at warmup OOMs too, with
+  the device to itself): `CudaContextLost`, and the worker exits without acking (runner.py).
 Runs in a worker thread; never touches Redis.
 """
 
@@ -25,6 +27,24 @@ from vramguard.worker.backend import ModelBackend, is_cuda_error
 from vramguard.worker.memory import MemoryBudget
 
 log = logging.getLogger(__name__)
+
+
+# Allocation failures of the CUDA libraries: out of memory in disguise, raised as a RuntimeError
+# (or torch.AcceleratorError) with the library's status name in its text (cuBLAS: cublasStatus_t,
+# cuDNN: cudnnStatus_t, cuRAND: curandStatus_t). cuDNN reports a handle it could not create for
+# lack of memory as NOT_INITIALIZED.
+OOM_MARKERS = ("CUBLAS_STATUS_ALLOC_FAILED", "CUDNN_STATUS_ALLOC_FAILED", "CUDNN_STATUS_NOT_INITIALIZED",
+               "CURAND_STATUS_ALLOCATION_FAILED")
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether `exc` means the device ran out of memory: torch.cuda.OutOfMemoryError, or a CUDA
+    library's allocation failure (OOM_MARKERS), which is split and retried like one."""
+    import torch
+
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and any(marker in str(exc) for marker in OOM_MARKERS)
 
 
 class CudaContextLost(Exception):
@@ -142,7 +162,9 @@ class _Compute:
             return _forward(self.backend, items, self.stats)
         except torch.cuda.OutOfMemoryError:
             return _OOM
-        except Exception as exc:  # noqa: BLE001 - classified by the caller
+        except Exception as exc:  # noqa: BLE001 - classified here and by the caller
+            if is_oom(exc):
+                return _OOM
             return exc
 
     def _halves(self, items: list[object], costs: list[int]) -> list[ItemResult]:
@@ -159,13 +181,26 @@ class _Compute:
         log.warning("out of memory; cache freed", extra={"batch_size": len(items), "item_cost": max(costs)})
         if len(items) > 1:
             return self._halves(items, costs)
-        self._check_context()
+        with self._alone():
+            outcome = self._try_forward(items)
+            if isinstance(outcome, Exception):
+                return self._after_failure(items, costs, outcome)
+            if not isinstance(outcome, _OutOfMemory):
+                if self.budget is not None:
+                    self.budget.on_success(1)
+                return outcome
+            self._check_context()
         self.stats.items_failed += 1
         message = f"the input (cost {costs[0]}) does not fit the worker's memory budget even alone"
         return [ItemResult(error_code=InputTooLargeError.code, error_message=message)]
 
+    def _alone(self) -> AbstractContextManager[None]:
+        """The device to this thread alone (MemoryBudget.exclusive); nothing to wait for without a budget."""
+        return self.budget.exclusive() if self.budget is not None else nullcontext()
+
     def _check_context(self) -> None:
-        """OOM that persists: a one-item probe of the smallest cost (it fit at warmup) must still run."""
+        """OOM that persists: a one-item probe of the smallest cost (it fit at warmup) must still run.
+        Called with the device to itself (`_alone`), so a neighbour forward cannot make it fail."""
         probe = self._try_forward([self.backend.sample_item(1)])
         if isinstance(probe, _OutOfMemory):
             raise CudaContextLost("out of memory persists: a one-item probe no longer fits")

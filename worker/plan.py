@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -27,11 +27,14 @@ class MemoryPlanError(RuntimeError):
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One measured forward: `batch_size` items of `item_cost` each; `peak_bytes` is the peak
-    allocated during the forward above what was allocated before it (activations, workspace)."""
+    allocated during the forward above what was allocated before it (activations, workspace);
+    `reserved_bytes` the segments it made the allocator reserve from an emptied cache (None: not
+    measured), which may be more (a forward of 2-10 MiB takes a 20 MiB segment)."""
 
     batch_size: int
     item_cost: int
     peak_bytes: int
+    reserved_bytes: int | None = None
 
     @property
     def cost(self) -> int:
@@ -51,7 +54,9 @@ class Fit:
 
 def fit_peak(samples: Sequence[Sample]) -> Fit:
     """Least-squares line through (cost, peak_bytes) (numpy.polyfit), then the intercept raised
-    until no sample lies above the line, so the fit never under-predicts a measured batch.
+    until no sample lies above the line, its reserved bytes included, so the fit never
+    under-predicts a measured batch nor the segments it took (the slope comes from the allocated
+    peaks: the segment sizes are a step function of the request, not a line).
 
     A negative slope (measurement noise, e.g. CPU RSS) is clamped to 0. With one distinct cost
     all memory is charged per unit (fixed 0), the conservative reading. Raises ValueError for no samples.
@@ -60,11 +65,14 @@ def fit_peak(samples: Sequence[Sample]) -> Fit:
         raise ValueError("no memory samples to fit")
     costs = np.array([s.cost for s in samples], dtype=np.float64)
     peaks = np.array([max(0, s.peak_bytes) for s in samples], dtype=np.float64)
+    reserved = np.array([max(0, s.peak_bytes if s.reserved_bytes is None else s.reserved_bytes) for s in samples],
+                        dtype=np.float64)
     if len(set(costs.tolist())) < 2:
-        return Fit(0, float(np.max(peaks / costs)))
+        slope = float(np.max(peaks / costs))
+        return Fit(int(math.ceil(max(0.0, float(np.max(reserved - slope * costs))))), slope)
     slope, _intercept = np.polyfit(costs, peaks, 1)
     slope = max(0.0, round(float(slope), 6))
-    fixed = max(0.0, float(np.max(peaks - slope * costs)))
+    fixed = max(0.0, float(np.max(peaks - slope * costs)), float(np.max(reserved - slope * costs)))
     return Fit(int(math.ceil(fixed)), slope)
 
 
@@ -107,9 +115,17 @@ class Plan:
         return self.planned_batch_tokens if self.max_item_cost > 1 else self.planned_batch_size
 
     @property
+    def cap_bytes(self) -> int:
+        """What the caching allocator may reserve (segments, cached blocks included): the budget
+        less this process's memory outside the allocator (context, kernel modules), which the
+        per-process fraction does not cover. Never below 0."""
+        return max(0, self.budget_bytes - self.context_bytes)
+
+    @property
     def memory_fraction(self) -> float:
-        """The hard cap handed to torch.cuda.set_per_process_memory_fraction: the share itself."""
-        return self.memory_share
+        """The hard cap handed to torch.cuda.set_per_process_memory_fraction:
+        (memory_share x total - outside the allocator) / total, never 0 (torch refuses it)."""
+        return max(1e-9, self.cap_bytes / self.total_bytes)
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,3 +209,20 @@ def measurement_grid(max_item_cost: int, max_batch_size: int) -> list[tuple[int,
     sizes = [b for b in MEASURE_BATCH_SIZES if b <= max_batch_size] or [1]
     lengths = sorted({max(1, max_item_cost // 4), max_item_cost})
     return [(b, length) for length in lengths for b in sizes]
+
+
+def replan(plan: Plan, context_bytes: int) -> Plan:
+    """`plan` with this process's memory outside the allocator measured again (`context_bytes`: the
+    kernel modules that load lazily at the first full-size forwards): the same fit, the limits
+    derived anew. Unchanged when the figure is the same. Raises MemoryPlanError as plan_budget does."""
+    if context_bytes == plan.context_bytes:
+        return plan
+    if not plan.planned:
+        return replace(plan, context_bytes=context_bytes)
+    per_unit = plan.per_token_bytes if plan.max_item_cost > 1 else float(plan.per_item_bytes)
+    return plan_budget(
+        device_kind=plan.device_kind, total_bytes=plan.total_bytes, context_bytes=context_bytes,
+        weights_bytes=plan.weights_bytes, fit=Fit(plan.fixed_bytes, per_unit), max_item_cost=plan.max_item_cost,
+        watermark=plan.watermark, memory_share=plan.memory_share, max_batch_size=plan.max_batch_size,
+        max_inflight_batches=plan.inflight_batches,
+    )

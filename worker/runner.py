@@ -180,6 +180,7 @@ class Worker:
             return ExitCode.STARTUP_FAILED
         budget = self.budget
         assert budget is not None
+        self.watchdog.guard = budget.exclusive  # probes wait for the device to be theirs
         self._server = BatchServer(
             self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
             watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, threads=self.threads,

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.errors import ModelError, UnavailableError
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.execute import ItemResult
+from vramguard.worker.execute import ItemResult, is_oom
 from vramguard.worker.hang import HangGuard
 from vramguard.worker.modelthreads import ModelThreads
 
@@ -50,6 +51,9 @@ class Watchdog:
         self.probe_failures = 0
         self.failed_in_row = 0
         self.unhealthy_reason: str | None = None
+        # Set once the memory budget exists (MemoryBudget.exclusive): the probe then waits for the
+        # device to be its own, so a forward running next to it cannot make it fail.
+        self.guard: Callable[[], AbstractContextManager[object]] = nullcontext
 
     def __repr__(self) -> str:
         return (f"<Watchdog probes={self.probes} probe_failures={self.probe_failures} "
@@ -110,7 +114,7 @@ class Watchdog:
             return False
         except Exception as exc:  # noqa: BLE001 - any failure on known-good inputs means a broken model or device
             self.probe_failures += 1
-            cuda = "CUDA" in str(exc) or type(exc).__name__ in {"AcceleratorError", "OutOfMemoryError"}
+            cuda = "CUDA" in str(exc) or type(exc).__name__ in {"AcceleratorError", "OutOfMemoryError"} or is_oom(exc)
             log.error("probe failed", extra={"error": repr(exc), "cuda_error": cuda})
             self._fail(f"{context + ': ' if context else ''}probe failed: {type(exc).__name__}: {exc}")
             return False
@@ -119,6 +123,10 @@ class Watchdog:
         return True
 
     def _forward(self) -> None:
+        with self.guard():
+            self._probe_forward()
+
+    def _probe_forward(self) -> None:
         inputs: list[object] = self._backend.example_inputs() if self._fault == "none" else [{"fault": self._fault}]
         items = self._backend.decode(inputs, {})
         outputs = self._backend.forward(self._backend.collate(items))

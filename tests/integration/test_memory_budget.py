@@ -15,7 +15,8 @@ from vramguard.shared.keys import GROUP, Keys
 from vramguard.worker.runner import ExitCode
 
 MIB = 1024 * 1024
-SMALL = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4}  # on 64 MiB: (51.2 - 12) / 4 -> 9 items
+# On 64 MiB: (51.2 - 12 outside the allocator - 20 for the 8 MiB weights' segment - 4) / 4 -> 3 items
+SMALL = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 4}
 
 
 async def live(gateway: httpx.AsyncClient, n: int = 1) -> None:
@@ -47,12 +48,13 @@ async def test_wrong_budget_ooms_split_and_every_request_succeeds(gateway, start
 
 
 async def test_poison_input_in_a_batch_of_8_gets_413_and_the_rest_200(gateway, start_worker) -> None:
-    """1. A planned budget (9 items) and a batch of 8 requests, one of which needs 1000 MiB.
+    """1. A planned budget (16 items) and a batch of 8 requests, one of which needs 1000 MiB.
     Result: that one gets 413 input_too_large, the 7 others 200, the worker keeps serving."""
-    handle = await start_worker(device="sim", sim_memory_bytes=64 * MIB, fault_injection=True,
+    handle = await start_worker(device="sim", sim_memory_bytes=128 * MIB, fault_injection=True,
                                 models={"synthetic": {"max_wait_ms": 200, "params": SMALL}})
     await live(gateway)
-    assert handle.worker.budget.plan.planned_batch_size == 9
+    # (0.8 x 128 - 12 outside the allocator - 20 for the weights' segment - 4 fixed) / 4 = 16.6 -> 16
+    assert handle.worker.budget.plan.planned_batch_size == 16
     assert (await infer(gateway, [0, 0])).status_code == 200
     bodies: list[object] = [0, 1, 2, {"alloc_mib": 1000}, 4, 5, 6, 7]
     responses = await asyncio.gather(*(infer(gateway, [b]) for b in bodies))
@@ -67,12 +69,13 @@ async def test_poison_input_in_a_batch_of_8_gets_413_and_the_rest_200(gateway, s
 TEXT = {"weights_mib": 8, "fixed_mib": 4, "item_mib": 0.25, "max_tokens": 64, "batch_ms": 5, "item_ms": 4}
 
 
-@pytest.mark.parametrize(("device_mib", "max_batch_tokens"), [(64, 156), (256, 771)])
+# (0.8 x device - 12 outside the allocator - 20 for the weights' segment - 4) / 0.25 per token
+@pytest.mark.parametrize(("device_mib", "max_batch_tokens"), [(128, 265), (256, 675)])
 async def test_mixed_lengths_short_inputs_are_not_delayed_by_a_long_one(
     gateway, start_worker, device_mib: int, max_batch_tokens: int
 ) -> None:
-    """1. A text-like model: 4 ms per padded token; a budget of 156 tokens per forward (the
-    budget alone keeps the long text apart), or of 771 (8 x 64 padded tokens would fit: the
+    """1. A text-like model: 4 ms per padded token; a budget of 265 tokens per forward (the
+    budget alone keeps the long text apart), or of 675 (8 x 64 padded tokens would fit: the
     padding rule of worker/costing.py must keep it apart).
     2. 7 short texts and 1 at the model's maximum (64 tokens) arrive in one batch window.
     Result: the short ones come back within about 2x a short text's own latency (they would wait
@@ -107,13 +110,14 @@ async def test_mixed_lengths_short_inputs_are_not_delayed_by_a_long_one(
 
 
 async def test_input_too_large_alone_is_refused_at_once(gateway, start_worker) -> None:
-    """1. A budget of 39 tokens per forward and a model window of 64 tokens.
+    """1. A budget of 40 tokens per forward ((0.8 x 96 - 12 - 20 - 4) / 1 MiB per token) and a model
+    window of 64 tokens.
     Result: a 64-token text gets 413 input_too_large without any forward; a 10-token text 200."""
-    handle = await start_worker(device="sim", sim_memory_bytes=64 * MIB,
+    handle = await start_worker(device="sim", sim_memory_bytes=96 * MIB,
                                 models={"synthetic": {"params": {**TEXT, "item_mib": 1, "item_ms": 0}}})
     await live(gateway)
     budget = handle.worker.budget
-    assert budget.plan.planned_batch_tokens == 39
+    assert budget.plan.planned_batch_tokens == 40
     forwards = handle.worker.stats.forwards
     refused = await infer(gateway, [" ".join(["w"] * 64)])
     assert refused.status_code == 413 and refused.json()["error"]["code"] == "input_too_large"

@@ -30,10 +30,11 @@ async def only_worker(client: httpx.AsyncClient) -> dict[str, object]:
 
 @pytest.mark.slow
 async def test_200_concurrent_requests_on_a_small_simulated_device(stack: Stack) -> None:
-    """1. One worker process on a 256 MiB simulated device: the plan allows 7 items per forward
-    (0.8 x 256 = 204.8 MiB; (204.8 - 128 weights - 16 fixed) / 8 per item = 7.6), cap 64.
+    """1. One worker process on a 256 MiB simulated device: the plan allows 6 items per forward
+    (0.8 x 256 = 204.8 MiB; (204.8 - 12 outside the allocator - 128 weights - 16 fixed) / 8 per
+    item = 6.1), cap 64.
     2. 200 concurrent requests.
-    Result: all 200 succeed, no OOM was raised, no forward ran more than 7 items, the peak stayed
+    Result: all 200 succeed, no OOM was raised, no forward ran more than 6 items, the peak stayed
     in the budget, and GET /v1/models/synthetic shows the measured plan in the heartbeat."""
     stack.start_gateway(served_models="synthetic")
     stack.start_worker(model="synthetic", device="sim", sim_memory_bytes=256 * MIB,
@@ -53,11 +54,14 @@ async def test_200_concurrent_requests_on_a_small_simulated_device(stack: Stack)
         beat = await only_worker(client)
     assert all(beat.get(name) is not None for name in HEARTBEAT_MEMORY_FIELDS), beat
     assert beat["device_kind"] == "sim" and beat["mem_total_bytes"] == 256 * MIB
-    assert beat["plan_batch_size"] == 7 and beat["plan_weights_bytes"] == 128 * MIB
+    assert beat["plan_batch_size"] == 6 and beat["plan_weights_bytes"] == 128 * MIB
     assert beat["plan_fixed_bytes"] == 16 * MIB and beat["plan_per_item_bytes"] == 8 * MIB
-    assert beat["oom_events"] == 0 and beat["adaptive_batch_cap"] == 7 and beat["memory_share"] == 0.8
-    assert 1 < beat["largest_forward"] <= 7 and beat["max_batch_seen"] <= 7  # type: ignore[operator]
+    assert beat["oom_events"] == 0 and beat["adaptive_batch_cap"] == 6 and beat["memory_share"] == 0.8
+    assert 1 < beat["largest_forward"] <= 6 and beat["max_batch_seen"] <= 6  # type: ignore[operator]
     assert beat["mem_peak_bytes"] <= beat["mem_budget_bytes"]  # type: ignore[operator]
+    assert beat["plan_context_bytes"] == beat["mem_outside_bytes"] == 12 * MIB
+    assert beat["mem_cap_bytes"] == int(0.8 * 256 * MIB) - 12 * MIB
+    assert beat["mem_max_reserved_bytes"] <= beat["mem_cap_bytes"]  # type: ignore[operator]
 
 
 @pytest.fixture

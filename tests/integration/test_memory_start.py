@@ -44,21 +44,22 @@ def test_profile_json_plans_for_a_device_of_a_given_size() -> None:
     assert done.returncode == 0, done.stderr
     plan = json.loads(done.stdout)
     assert plan["total_bytes"] == 1024 * MIB and plan["watermark"] == 0.5 and plan["memory_share"] == 0.25
-    assert plan["context_bytes"] == 0 and plan["weights_bytes"] == 128 * MIB
+    # the simulated context (8 MiB) and kernel modules (4 MiB) live outside the allocator
+    assert plan["context_bytes"] == 12 * MIB and plan["weights_bytes"] == 128 * MIB
     assert plan["fixed_bytes"] == 16 * MIB and plan["per_item_bytes"] == 8 * MIB
-    # 0.5 x 1024 / 2 = 256 MiB; (256 - 144) / 8 = 14 items
-    assert plan["max_batch_size"] == 64 and plan["planned_batch_size"] == 14
+    # 0.5 x 1024 / 2 = 256 MiB; (256 - 12 - 144) / 8 = 12.5 -> 12 items
+    assert plan["max_batch_size"] == 64 and plan["planned_batch_size"] == 12
     assert [w["memory_share"] for w in plan["workers"]] == [0.25, 0.25]  # the two workers on the GPU
-    assert [w["planned_batch_size"] for w in plan["workers"]] == [14, 14]
+    assert [w["planned_batch_size"] for w in plan["workers"]] == [12, 12]
 
 
 def test_profile_prints_what_each_worker_of_a_placement_gets() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(1024 * MIB),
                        "--share", "0.5", "--share", "0.25")
     assert done.returncode == 0, done.stderr
-    # 0.5 x 1024 = 512 MiB: (512 - 144) / 8 = 46 items; 0.25 x 1024 = 256 MiB: 14 items
-    assert "worker 0: share 0.5, budget 512.0 MiB, batch 46 items" in done.stdout
-    assert "worker 1: share 0.25, budget 256.0 MiB, batch 14 items" in done.stdout
+    # 0.5 x 1024 = 512 MiB: (512 - 12 - 144) / 8 = 44.5 -> 44 items; 0.25 x 1024 = 256 MiB: 12 items
+    assert "worker 0: share 0.5, budget 512.0 MiB, batch 44 items" in done.stdout
+    assert "worker 1: share 0.25, budget 256.0 MiB, batch 12 items" in done.stdout
 
 
 def test_profile_refuses_shares_over_the_watermark() -> None:
@@ -69,7 +70,7 @@ def test_profile_refuses_shares_over_the_watermark() -> None:
 def test_profile_table_shows_the_plan_and_a_progress_bar() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim")
     assert done.returncode == 0, done.stderr
-    assert "planned_batch_size             33" in done.stdout
+    assert "planned_batch_size             31" in done.stdout  # (409.6 - 12 - 144) / 8 = 31.7
     assert "measuring synthetic" in done.stderr and "4/4" in done.stderr
 
 

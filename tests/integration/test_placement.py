@@ -26,9 +26,10 @@ PARAMS = json.dumps({"batch_ms": 5, "item_ms": 0.2, "weights_mib": 64, "fixed_mi
 
 
 def expected_batch(share: float, inflight: int = 1) -> int:
-    """worker/plan.py's arithmetic for PARAMS, written out: floor((share x total - weights) / K
-    - fixed) / per_item), capped at synthetic's max_batch_size of 64."""
-    per_forward_mib = (share * SIM_BYTES / MIB - 64) / inflight - 8
+    """worker/plan.py's arithmetic for PARAMS, written out: floor((share x total - outside the
+    allocator - weights) / K - fixed) / per_item), capped at synthetic's max_batch_size of 64. The
+    simulated device's context (8 MiB) and kernel modules (4 MiB) are the memory outside the allocator."""
+    per_forward_mib = (share * SIM_BYTES / MIB - 12 - 64) / inflight - 8
     return min(64, math.floor(per_forward_mib / 4))
 
 
@@ -117,7 +118,7 @@ async def test_three_workers_each_claiming_the_whole_gpu_cannot_over_commit_it(s
 @pytest.mark.slow
 async def test_two_forwards_in_flight_stay_inside_the_budget(stack: Stack, tmp_path: Path) -> None:
     """1. One worker on a 256 MiB simulated GPU with max_inflight_batches=2: the plan gives each
-       of the two concurrent forwards its own room ((0.8 x 256 - 64) / 2 - 8) / 4 = 15 items).
+       of the two concurrent forwards its own room ((0.8 x 256 - 12 - 64) / 2 - 8) / 4 = 14 items).
     2. 100 concurrent clients for 5 s, each forward taking 20 ms.
     Result: two forwards did run at once; no OOM; the peak stayed inside the budget."""
     stack.start_gateway(served_models="synthetic")
@@ -131,7 +132,8 @@ async def test_two_forwards_in_flight_stay_inside_the_budget(stack: Stack, tmp_p
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
         await asyncio.sleep(1)
         (beat,) = (await live_beats(client)).values()
-    assert beat["plan_inflight_batches"] == 2 and beat["plan_batch_size"] == 15
+    assert beat["plan_inflight_batches"] == 2 and beat["plan_batch_size"] == 14
     assert beat["max_concurrent_forwards"] == 2 and beat["oom_events"] == 0
     assert beat["mem_peak_bytes"] <= beat["mem_budget_bytes"]  # type: ignore[operator]
-    assert beat["largest_forward"] <= 15  # type: ignore[operator]
+    assert beat["largest_forward"] <= 14  # type: ignore[operator]
+    assert beat["mem_max_reserved_bytes"] <= beat["mem_cap_bytes"]  # type: ignore[operator]

@@ -1,76 +1,169 @@
 """The per-device ledger (worker/ledger.py) and the simulated GPU shared through it
-(worker/simdevice.py). A neighbour is a real other process: the test's parent process (alive) or
-a child that has exited (dead)."""
+(worker/simdevice.py). A neighbour is a real other process that holds its ledger entry (and its
+liveness lock) until the test kills it; "containers" are processes in PID namespaces of their own."""
 
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from vramguard.worker.ledger import DeviceLedger, PlacementError
+from vramguard.worker.ledger import DeviceLedger, LedgerCorruptError, PlacementError
 from vramguard.worker.simdevice import MIB, SimDevice
 
+ROOT = Path(__file__).resolve().parents[2]
+NEIGHBOUR = """
+import json, sys
+from pathlib import Path
+from vramguard.worker.ledger import DeviceLedger
+ledger = DeviceLedger(Path(sys.argv[1]), sys.argv[2])
+with ledger.update() as record:
+    ledger.mine(record).update(json.loads(sys.argv[3]))
+print("ready", flush=True)
+sys.stdin.read()
+"""
 
-def write_neighbour(ledger: DeviceLedger, pid: int, **entry: object) -> None:
-    with ledger.update() as record:
-        record["processes"][str(pid)] = entry
+Neighbour = Callable[..., subprocess.Popen[str]]
 
 
-def dead_pid() -> int:
-    proc = subprocess.Popen(["true"])
-    proc.wait()
-    return proc.pid
+@pytest.fixture
+def neighbour(tmp_path: Path) -> Iterator[Neighbour]:
+    """Start a process that registers `entry` in the ledger of `device` and lives until killed;
+    `namespace=True` runs it in a PID namespace of its own (`unshare --pid --fork`, as root)."""
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(device: str = "sim-0", namespace: bool = False, **entry: object) -> subprocess.Popen[str]:
+        prefix = ["unshare", "--pid", "--fork", "--kill-child"] if namespace else []
+        proc = subprocess.Popen([*prefix, sys.executable, "-c", NEIGHBOUR, str(tmp_path), device, json.dumps(entry)],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        procs.append(proc)
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        return proc
+
+    yield start
+    for proc in procs:
+        kill(proc)
 
 
-def test_a_share_that_would_over_commit_the_gpu_is_refused_naming_it(tmp_path: Path) -> None:
+def kill(proc: subprocess.Popen[str]) -> None:
+    proc.kill()
+    proc.communicate()  # reaps it and closes its pipes
+
+
+def eventually(check: Callable[[], object], timeout_s: float = 30.0) -> object:
+    """`check()`'s value once it stops raising PlacementError (a killed process's lock is dropped
+    by the kernel when the process is gone, a moment after its parent saw it exit)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return check()
+        except PlacementError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_a_share_that_would_over_commit_the_gpu_is_refused_naming_it(tmp_path: Path, neighbour: Neighbour) -> None:
     ledger = DeviceLedger(tmp_path, "sim-0")
-    write_neighbour(ledger, os.getppid(), share=0.5)
+    neighbour(share=0.5)
     with pytest.raises(PlacementError, match=r"GPU sim-0: this worker's memory share 0.4 plus the 0.5"):
         ledger.register_share(0.4, watermark=0.8)
     assert ledger.register_share(0.3, watermark=0.8) == pytest.approx(0.5)
 
 
-def test_shares_of_dead_processes_come_back(tmp_path: Path) -> None:
+def test_shares_of_dead_processes_come_back(tmp_path: Path, neighbour: Neighbour) -> None:
     ledger = DeviceLedger(tmp_path, "sim-0")
-    write_neighbour(ledger, dead_pid(), share=0.8, reserved_bytes=100)
+    kill(neighbour(share=0.8, reserved_bytes=100))
     assert ledger.register_share(0.8, watermark=0.8) == 0
-    assert list(json.loads(ledger.path.read_text())["processes"]) == [str(os.getpid())]
+    assert list(json.loads(ledger.path.read_text())["processes"]) == [ledger.entry_id]
 
 
-def test_neighbours_memory_is_seen_and_the_allocation_crossing_the_total_fails(tmp_path: Path) -> None:
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_workers_in_other_pid_namespaces_are_counted_and_released_when_killed(
+    tmp_path: Path, neighbour: Neighbour,
+) -> None:
+    """1. Two "containers": processes in PID namespaces of their own (each is PID 1 there) share
+       the ledger folder and register 0.4 each.
+    2. A third worker asks for 0.1: refused. The first container is killed.
+    Result: both shares were counted although their PIDs are equal; the kill released one."""
+    first = neighbour(namespace=True, share=0.4)
+    neighbour(namespace=True, share=0.4)
+    pids = {p["pid"] for p in json.loads((tmp_path / "sim-0.json").read_text())["processes"].values()}
+    assert pids == {1}  # the PIDs collide: liveness cannot be a PID
     ledger = DeviceLedger(tmp_path, "sim-0")
-    dev = SimDevice(100 * MIB, ledger)
-    write_neighbour(ledger, os.getppid(), reserved_bytes=70 * MIB)
-    assert dev.mem_get_info() == (30 * MIB, 100 * MIB)
+    with pytest.raises(PlacementError, match="plus the 0.8 that 2 live worker"):
+        ledger.register_share(0.1, watermark=0.8)
+    kill(first)  # unshare dies; --kill-child takes the process in the namespace with it
+    assert eventually(lambda: ledger.register_share(0.4, watermark=0.8)) == pytest.approx(0.4)
+
+
+def test_a_writer_that_dies_mid_write_never_loses_the_other_entries(
+    tmp_path: Path, neighbour: Neighbour, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """1. A neighbour holds a share of 0.3. This process's update fails half way through writing
+       (its serialisation raises, where a SIGKILL would stop it).
+    Result: the record on disk is the old one, whole: the neighbour's share is still counted."""
+    neighbour(share=0.3)
+    ledger = DeviceLedger(tmp_path, "sim-0")
+
+    def broken(*args: object, **kwargs: object) -> str:
+        raise OSError("killed mid-write")
+
+    monkeypatch.setattr("vramguard.worker.ledger.json.dumps", broken)
+    with pytest.raises(OSError, match="killed mid-write"):
+        ledger.register_share(0.2, watermark=0.8)
+    monkeypatch.undo()
+    assert ledger.register_share(0.5, watermark=0.8) == pytest.approx(0.3)
+
+
+def test_a_corrupt_ledger_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "sim-0.json").write_text("{not json")
+    with pytest.raises(LedgerCorruptError, match=r"sim-0.json is not valid JSON .*delete the file"):
+        DeviceLedger(tmp_path, "sim-0").register_share(0.4, watermark=0.8)
+    (tmp_path / "sim-1.json").write_text("[1, 2]")
+    with pytest.raises(LedgerCorruptError, match="does not hold a ledger record"):
+        DeviceLedger(tmp_path, "sim-1").register_share(0.4, watermark=0.8)
+
+
+def test_neighbours_memory_is_seen_and_the_allocation_crossing_the_total_fails(
+    tmp_path: Path, neighbour: Neighbour,
+) -> None:
+    ledger = DeviceLedger(tmp_path, "sim-0")
+    dev = SimDevice(100 * MIB, ledger, context_bytes=5 * MIB)
+    neighbour(reserved_bytes=60 * MIB, outside_bytes=10 * MIB)
+    assert dev.mem_get_info() == (25 * MIB, 100 * MIB)
+    assert sorted(p.used_bytes for p in dev.processes()) == [5 * MIB, 70 * MIB]
     dev.allocate(20 * MIB)
-    with pytest.raises(torch.cuda.OutOfMemoryError, match="70.00 MiB reserved by other processes"):
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="70.00 MiB used by other processes"):
         dev.allocate(20 * MIB)
     assert dev.memory_allocated() == 20 * MIB  # a failed allocation takes nothing
-    assert json.loads(ledger.path.read_text())["processes"][str(os.getpid())]["reserved_bytes"] == 20 * MIB
+    entry = json.loads(ledger.path.read_text())["processes"][ledger.entry_id]
+    assert entry["reserved_bytes"] == 20 * MIB and entry["outside_bytes"] == 5 * MIB
 
 
-def test_the_process_drops_its_own_cache_before_reporting_oom(tmp_path: Path) -> None:
-    """As the CUDA caching allocator does: cached blocks go back before an allocation fails."""
+def test_the_process_drops_its_own_cache_before_reporting_oom(tmp_path: Path, neighbour: Neighbour) -> None:
+    """As the CUDA caching allocator does: cached segments go back before an allocation fails."""
     ledger = DeviceLedger(tmp_path, "sim-0")
     dev = SimDevice(100 * MIB, ledger)
-    with dev.transient(60 * MIB):
+    with dev.transient(30 * MIB):
         pass
-    assert dev.memory_reserved() == 60 * MIB
-    write_neighbour(ledger, os.getppid(), reserved_bytes=45 * MIB)
-    dev.allocate(50 * MIB)  # 45 + max(60 cached, 50) > 100, but 45 + 50 fits once the cache is dropped
+    assert dev.memory_reserved() == 30 * MIB
+    neighbour(reserved_bytes=45 * MIB)
+    dev.allocate(50 * MIB)  # 45 + 30 cached + 50 > 100, but 45 + 50 fits once the cache is dropped
     assert dev.memory_reserved() == 50 * MIB
 
 
-def test_a_gpu_of_another_size_is_refused(tmp_path: Path) -> None:
+def test_a_gpu_of_another_size_is_refused(tmp_path: Path, neighbour: Neighbour) -> None:
+    neighbour(device="sim-1", reserved_bytes=MIB)
     ledger = DeviceLedger(tmp_path, "sim-1")
-    write_neighbour(ledger, os.getppid(), reserved_bytes=MIB)
     with ledger.update() as record:
         record["total_bytes"] = 200 * MIB
     with pytest.raises(ValueError, match="VRAMGUARD_SIM_MEMORY_BYTES"):
@@ -85,7 +178,8 @@ def test_concurrent_forwards_are_admitted_only_while_their_peaks_fit(tmp_path: P
     from vramguard.worker.memory import start_budget
     from vramguard.worker.models.synthetic import SyntheticBackend
 
-    settings = Settings(model="synthetic", sim_memory_bytes=100 * MIB, watermark=1.0,
+    settings = Settings(model="synthetic", sim_memory_bytes=100 * MIB, watermark=1.0, sim_context_bytes=0,
+                        sim_module_bytes=0,
                         models={"synthetic": ModelOverrides(max_batch_size=8, max_inflight_batches=2,
                                                             params={"weights_mib": 0, "fixed_mib": 0, "item_mib": 10})})
     backend = SyntheticBackend(settings.model_config_for("synthetic"), "sim", settings)

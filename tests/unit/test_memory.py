@@ -62,8 +62,10 @@ def test_plan_follows_the_design_formula() -> None:
 
 def test_plan_takes_its_share_of_the_device_and_counts_its_own_context() -> None:
     p = plan(memory_share=0.4, context_bytes=20 * MIB)
-    # (204.8 - 20 - 128 - 16) / 8 = 5.1 -> 5; the hard cap is the share itself
-    assert p.planned_batch_size == 5 and p.memory_fraction == pytest.approx(0.4)
+    # (204.8 - 20 - 128 - 16) / 8 = 5.1 -> 5; the allocator's cap is the share less the context
+    # outside it: (204.8 - 20) / 512
+    assert p.planned_batch_size == 5 and p.memory_fraction == pytest.approx((0.4 * 512 - 20) / 512)
+    assert p.cap_bytes == int(0.4 * 512 * MIB) - 20 * MIB
     assert p.budget_bytes == int(0.4 * 512 * MIB)
 
 

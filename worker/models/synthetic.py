@@ -106,7 +106,7 @@ class SyntheticBackend:
                 if kind != "leak":
                     inject_fault(kind)
         if "leak" in faults and self._sim is not None:
-            self._sim.allocate(max(0, self._sim.limit_bytes - self._sim.memory_allocated()))
+            self._sim.fill()
         return batch
 
     def _simulated_memory(self, batch: list[object], cost: int) -> AbstractContextManager[None]:

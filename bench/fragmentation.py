@@ -1,0 +1,141 @@
+"""Fragmentation of the caching allocator under mixed text lengths, on the simulated device: a
+MiniLM-shaped encoder (6 layers, hidden 384, 12 heads, FFN 1536, fp32; weights in many tensors, as
+a checkpoint loads them) planned and served inside a memory share of 0.25 of a 512 MiB simulated
+GPU, fed batches of random size from bench/corpus.txt (a few words to a paragraph), with and
+without expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, modelled in
+worker/simalloc.py). It reports the allocator cap, the highest reserved memory, the highest
+allocated, what the allocator held beyond the allocated peak (fragmentation and cache), and OOM
+events.
+
+    python -m bench.fragmentation [--forwards 20000] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from bench.corpus import CORPUS_PATH
+from vramguard.shared.models import ModelConfig, ModelOverrides
+from vramguard.shared.settings import Settings
+from vramguard.worker.execute import run_batch
+from vramguard.worker.memory import start_budget
+from vramguard.worker.models.synthetic import SyntheticBackend
+from vramguard.worker.simdevice import Block, SimDevice
+
+MIB = 1024 * 1024
+FP32 = 4
+VOCAB, HIDDEN, HEADS, FFN, LAYERS, WINDOW = 30522, 384, 12, 1536, 6, 64
+MAX_BATCH = 32
+
+
+class SimEncoder(SyntheticBackend):
+    """The synthetic text model with an encoder's allocations on the simulated device: weights as
+    separate tensors, and per forward the activations each layer creates and frees in turn."""
+
+    def load(self) -> None:
+        super().load()  # weights_mib 0: takes the device
+        assert self._sim is not None
+        self.weights = [self._sim.allocate(VOCAB * HIDDEN * FP32)]
+        for _ in range(LAYERS):
+            self.weights += [self._sim.allocate(HIDDEN * HIDDEN * FP32) for _ in range(4)]
+            self.weights += [self._sim.allocate(HIDDEN * FFN * FP32) for _ in range(2)]
+
+    def forward(self, batch: object) -> object:
+        assert isinstance(batch, list) and self._sim is not None
+        tokens = max(self.item_cost(item) for item in batch)
+        with _activations(self._sim, len(batch), tokens):
+            return batch
+
+
+@contextmanager
+def _activations(sim: SimDevice, b: int, t: int) -> Iterator[None]:
+    sim.launch()
+    x = sim.allocate(b * t * HIDDEN * FP32)
+    try:
+        for _ in range(LAYERS):
+            x = _layer(sim, x, b, t)
+        pooled = sim.allocate(b * HIDDEN * FP32)
+        sim.release(pooled)
+        yield
+    finally:
+        sim.release(x)
+
+
+def _layer(sim: SimDevice, x: Block, b: int, t: int) -> Block:
+    act = b * t * HIDDEN * FP32
+    qkv = sim.allocate(3 * act)
+    scores = sim.allocate(b * HEADS * t * t * FP32)
+    probs = sim.allocate(b * HEADS * t * t * FP32)
+    sim.release(scores)
+    context = sim.allocate(act)
+    sim.release(probs)
+    sim.release(qkv)
+    attended = sim.allocate(act)
+    sim.release(context)
+    inner = sim.allocate(b * t * FFN * FP32)
+    out = sim.allocate(act)
+    sim.release(inner)
+    sim.release(attended)
+    sim.release(x)
+    return out
+
+
+def run(expandable: bool, forwards: int, seed: int = 0) -> dict[str, object]:
+    """Plan the encoder in its share, then serve `forwards` random batches of corpus lines.
+    Returns the figures (bytes, counts)."""
+    previous = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if expandable:
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    try:
+        return _serve(forwards, seed)
+    finally:
+        os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if previous is not None:
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = previous
+
+
+def _serve(forwards: int, seed: int) -> dict[str, object]:
+    params = {"weights_mib": 0, "fixed_mib": 0, "item_mib": 0, "max_tokens": WINDOW}
+    settings = Settings(model="synthetic", sim_memory_bytes=512 * MIB, memory_share=0.25,
+                        models={"synthetic": ModelOverrides(max_batch_size=MAX_BATCH, params=params)})
+    config = settings.model_config_for("synthetic")
+    backend = SimEncoder(ModelConfig(params=params), "sim", settings)
+    budget = start_budget(backend, settings, config, register=False)
+    lines = CORPUS_PATH.read_text().splitlines()
+    rng = random.Random(seed)
+    started = time.monotonic()
+    for _ in range(forwards):
+        items = [rng.choice(lines) for _ in range(rng.randint(1, MAX_BATCH))]
+        run_batch(backend, items, MAX_BATCH, budget=budget)
+    device = budget.accounting.device  # type: ignore[attr-defined]
+    return {
+        "expandable_segments": device.alloc.expandable_segments, "forwards": forwards,
+        "seconds": round(time.monotonic() - started, 1),
+        "cap_bytes": budget.plan.cap_bytes, "max_reserved_bytes": device.max_memory_reserved(),
+        "max_allocated_bytes": device.max_memory_allocated(),
+        "held_beyond_allocated_peak_bytes": device.max_memory_reserved() - device.max_memory_allocated(),
+        "planned_batch_tokens": budget.plan.planned_batch_tokens, "oom_events": budget.oom_events,
+        "batch_splits": budget.batch_splits,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forwards", type=int, default=20000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for expandable in (False, True):
+        result = run(expandable, args.forwards, args.seed)
+        print(json.dumps(result))
+        mib = {k: round(v / MIB, 1) for k, v in result.items() if k.endswith("_bytes") and isinstance(v, int)}
+        print(f"expandable_segments={expandable}: {mib} oom_events={result['oom_events']}")
+
+
+if __name__ == "__main__":
+    main()
