@@ -19,11 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from deploy.placement import Gpu, WorkerGroup
-from deploy.programs import SHIPPED_CONF, write_programs
 
 from tests.helpers import ROOT, Stack, service_env, wait_until
 from tests.memwatch import GpuWatch
+from vramguard.cli.placement import Gpu, WorkerGroup
+from vramguard.cli.programs import SHIPPED_CONF, write_programs
 
 MIB = 1024 * 1024
 PLACEMENTS = int(os.environ.get("VRAMGUARD_TEST_PLACEMENTS", "20"))  # fewer while developing
