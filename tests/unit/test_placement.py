@@ -174,7 +174,7 @@ def test_a_placement_names_models_of_the_models_file_only_when_that_file_is_read
 def test_an_unknown_model_is_refused_with_exit_2_naming_the_known_ones(tmp_path: Path) -> None:
     done = up(tmp_path, "--model", "tiny")  # no VRAMGUARD_MODELS_FILE: only the built-in models
     assert done.returncode == 2, done
-    assert "--model 'tiny' is not a known model; known: efficientnet, minilm, synthetic" in done.stderr
+    assert "--model 'tiny' is not a known model; known: efficientnet, minilm, smollm2, synthetic" in done.stderr
     assert "VRAMGUARD_MODELS_FILE" in done.stderr
 
 
