@@ -153,3 +153,26 @@ def test_gpu_overlay_gives_each_worker_one_gpu_and_probes_its_heartbeat() -> Non
     probes = gateway["spec"]["template"]["spec"]["containers"][0]
     assert (probes["readinessProbe"]["httpGet"]["path"], probes["livenessProbe"]["httpGet"]["path"]) == (
         "/health/ready", "/health/live")
+
+
+def surge_pods(deployment: dict[str, Any]) -> int:
+    """Pods a rollout may run above `replicas`, as the Deployment controller computes it: Recreate
+    none; RollingUpdate maxSurge, a count or a percentage rounded up, 25% when unset
+    (kubernetes.io/docs/concepts/workloads/controllers/deployment/#max-surge)."""
+    strategy = deployment["spec"].get("strategy", {})
+    if strategy.get("type") == "Recreate":
+        return 0
+    surge = strategy.get("rollingUpdate", {}).get("maxSurge", "25%")
+    replicas = int(deployment["spec"].get("replicas", 1))
+    if isinstance(surge, str) and surge.endswith("%"):
+        return -(-replicas * int(surge[:-1]) // 100)
+    return int(surge)
+
+
+def test_gpu_worker_rollout_needs_no_gpu_beyond_those_its_pods_hold() -> None:
+    """A rollout on a cluster whose GPUs are all taken: a surge pod would wait for a GPU forever."""
+    worker = next(d for d in by_kind(render("gpu"), "Deployment") if "worker" in d["metadata"]["name"])
+    assert worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert surge_pods(worker) == 0, worker["spec"].get("strategy")
+    unavailable = worker["spec"].get("strategy", {}).get("rollingUpdate", {}).get("maxUnavailable", 1)
+    assert unavailable not in (0, "0%")  # with no surge, 0 unavailable would deadlock the rollout
