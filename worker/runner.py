@@ -26,7 +26,6 @@ from enum import IntEnum
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from vramguard.shared.clock import monotonic_ms, now_ms
@@ -50,6 +49,7 @@ from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.reclaim import Reclaimer
 from vramguard.worker.serve import BatchServer
+from vramguard.worker.tasks import LoopRecovery, TaskWatch
 from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,7 @@ class ExitCode(IntEnum):
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
     FORWARD_HUNG = 8  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
+    TASK_ENDED = 9  # a long-lived task ended, or Redis answered the batch loop unreadably many times (worker/tasks.py)
 
 
 class Worker:
@@ -89,6 +90,7 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
         self.hang = HangGuard(self._hung)
+        self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
         self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
         self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
@@ -185,6 +187,7 @@ class Worker:
         heartbeat.start()
         reclaimer.start()
         self.hang.start()
+        self.tasks.watch_running()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
                                         "settings": self.settings.masked()})
@@ -195,10 +198,13 @@ class Worker:
             self.stats.state = "draining"
             return await self._drain(redis)
         finally:
-            await clock.stop()
-            await self.hang.stop()
-            await reclaimer.stop()
-            await heartbeat.stop()
+            self.tasks.stop()
+            for stop in (clock.stop, self.hang.stop, reclaimer.stop, heartbeat.stop):
+                # A task that already ended (the watch reported it) re-raises its end on stop():
+                # gather keeps that from skipping the other steps, yet lets our own cancellation through.
+                (outcome,) = await asyncio.gather(stop(), return_exceptions=True)
+                if isinstance(outcome, BaseException):
+                    log.debug("stopping a task that had ended", extra={"error": repr(outcome)})
 
     async def ensure_group(self, redis: aioredis.Redis) -> None:
         """Create the request stream and the `workers` group if missing (a fresh or restarted Redis)."""
@@ -255,17 +261,14 @@ class Worker:
         # holds fewer (worker/plan.py gives each of them its own room in the budget).
         inflight = self.budget.plan.inflight_batches if self.budget is not None else self.config.max_inflight_batches
         slots = asyncio.Semaphore(min(self.config.max_inflight_batches, inflight))
-        backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
-        failures = read = 0
+        recovery, read = LoopRecovery(), 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
             if self.reclaimer is not None and self.reclaimer.has_work:
                 try:
                     await self._serve_suspect(redis, self.reclaimer)
-                    failures = 0
-                except RedisError as exc:
-                    failures += 1
-                    log.warning("reclaim failed", extra={"error": str(exc), "failures": failures})
-                    await self._recover(redis, exc, backoff.compute(failures))
+                    recovery.succeeded()
+                except Exception as exc:  # noqa: BLE001 - any Redis trouble, also replies redis-py cannot parse
+                    await self._recover(redis, exc, recovery, "reclaim")
                 continue
             await slots.acquire()
             if self.should_exit:  # signalled while waiting for a slot: read nothing more
@@ -275,12 +278,10 @@ class Worker:
                 batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
             try:
                 entries = await batcher.read_batch()
-                failures = 0
-            except RedisError as exc:
+                recovery.succeeded()
+            except Exception as exc:  # noqa: BLE001 - any Redis trouble, also replies redis-py cannot parse
                 slots.release()
-                failures += 1
-                log.warning("read failed", extra={"error": str(exc), "failures": failures})
-                await self._recover(redis, exc, backoff.compute(failures))
+                await self._recover(blocking, exc, recovery, "read")
                 continue
             if not entries:
                 slots.release()
@@ -296,14 +297,18 @@ class Worker:
         self._inflight.discard(task)
         slots.release()
 
-    async def _recover(self, redis: aioredis.Redis, exc: RedisError, delay_s: float) -> None:
+    async def _recover(self, client: aioredis.Redis, exc: Exception, recovery: LoopRecovery, what: str) -> None:
+        """After a failed Redis call of the batch loop: recreate the group of a Redis that restarted
+        empty, else back off (and reconnect after an unparsable reply); exit when that never ends."""
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
             try:
-                await self.ensure_group(redis)  # Redis restarted empty
+                await self.ensure_group(client)  # Redis restarted empty
                 return
             except RedisError:
                 pass
-        await asyncio.sleep(delay_s)
+        if not await recovery.failed(what, exc, client):
+            self._task_ended(f"the batch loop's {what} failed {recovery.unexpected} times in a row "
+                             f"with replies redis-py could not read; last: {exc!r}")
 
     def held_entries(self) -> list[EntryId]:
         """Entries this worker holds: batches being served and the batcher's carry-over."""
@@ -364,6 +369,13 @@ class Worker:
         """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""
         self.fatal = ExitCode.CUDA_CONTEXT_LOST
         self.should_exit = self.force_exit = True
+
+    def _task_ended(self, reason: str) -> None:
+        """A long-lived task ended (worker/tasks.py): stop reading, drain, exit TASK_ENDED for a restart."""
+        log.critical("worker cannot go on; exiting for a restart", extra={"worker_id": self.worker_id,
+                                                                          "reason": reason})
+        self.fatal = self.fatal or ExitCode.TASK_ENDED
+        self.should_exit = True
 
     def _hung(self, running_s: float, what: str, request_ids: Sequence[str]) -> None:
         """A forward ran past the forward timeout: report it and leave at once, un-acked."""

@@ -1,0 +1,120 @@
+"""The worker's long-lived tasks against a real Redis that misbehaves: a worker process talks to
+Redis through a fault proxy (tests/proxy.py), the gateway directly. Every error redis-py can raise
+(tests/redis_faults.py) is injected into each task: heartbeat, reclaim scan, clock sync and the
+batch loop's reads; the worker goes on. A task that ends anyway makes the worker exit for a restart."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.helpers import RedisServer, Stack, wait_until
+from tests.proxy import CUT, STALL, FaultProxy
+from tests.redis_faults import all_faults
+from vramguard.worker.runner import ExitCode
+
+SETTINGS = {"served_models": "synthetic", "block_ms": 200, "heartbeat_interval_ms": 200,
+            "heartbeat_ttl_ms": 1500, "reclaim_interval_ms": 200, "shutdown_grace_s": 5}
+
+
+class PipelineFaultProxy(FaultProxy):
+    """FaultProxy that also faults a pipeline, named by its first command (the heartbeat sends
+    HSET, PEXPIRE and ZADD in one packet): an injected reply is written once per command in it,
+    so the client reads as many replies as it sent commands."""
+
+    def _commands(self, data: bytes) -> list[bytes]:
+        import hiredis
+
+        reader = hiredis.Reader()
+        names: list[bytes] = []
+        try:
+            reader.feed(data)
+            while (command := reader.gets()) is not False:
+                if not isinstance(command, list) or not command:
+                    return []
+                names.append(bytes(command[0]).upper())
+        except hiredis.ProtocolError:
+            return []
+        return names
+
+    async def _requests(self, reader: asyncio.StreamReader, client_w: asyncio.StreamWriter,
+                        up_w: asyncio.StreamWriter, delay: list[float]) -> None:
+        while data := await reader.read(65536):
+            names = self._commands(data)
+            faults = self._faults.get(names[0] if names else b"")
+            if faults:
+                fault = faults.pop(0)
+                if fault == CUT:
+                    return
+                if fault == STALL:
+                    await asyncio.sleep(self.stall_s)
+                    return
+                client_w.write(fault * len(names))
+                continue
+            for name in names:
+                self.served[name] = self.served.get(name, 0) + 1
+            up_w.write(data)
+            await up_w.drain()
+
+
+@pytest.fixture
+def proxy(redis_server: RedisServer) -> Iterator[FaultProxy]:
+    fault_proxy = PipelineFaultProxy(redis_server.port, stall_s=3.0).start()  # past the 2 s command timeout
+    yield fault_proxy
+    fault_proxy.stop()
+
+
+async def served(client: httpx.AsyncClient, value: int) -> bool:
+    response = await client.post("/v1/models/synthetic/infer", json={"inputs": [value], "timeout_ms": 5000})
+    return response.status_code == 200 and response.json()["outputs"] == [value]
+
+
+async def test_every_redis_error_in_every_long_lived_worker_task_is_survived(
+    stack: Stack, proxy: FaultProxy
+) -> None:
+    """1. A gateway and one synthetic worker; the worker's Redis is behind the fault proxy.
+    2. Each fault of tests/redis_faults.py (every error class of redis-py's table, a cut, a stall,
+       garbage, replies of the wrong shape) is injected into the heartbeat (its pipeline), the
+       reclaim scan (XPENDING) and the clock sync (TIME), and one at a time, between good reads,
+       into the batch loop's read (XREADGROUP), with a request served after each.
+    Result: the worker process still runs, answers every request, and beats and scans again after
+    the last fault. (Today a reply of the wrong shape to its read ends the worker.)"""
+    stack.settings.update(SETTINGS)
+    stack.start_gateway()
+    worker = stack.start_worker(environ={"VRAMGUARD_REDIS_URL": proxy.url}, model="synthetic")
+    await stack.wait_ready(120)
+    faults = all_faults()
+    for command in (b"HSET", b"XPENDING", b"TIME"):
+        proxy.inject(command, faults)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+        for value, fault in enumerate(faults):
+            before = proxy.served.get(b"XREADGROUP", 0)
+            proxy.inject(b"XREADGROUP", [fault])
+            try:
+                await wait_until(lambda b=before: proxy.served.get(b"XREADGROUP", 0) > b, 30)  # type: ignore[misc]
+            except AssertionError:
+                raise AssertionError((value, fault, worker.poll(), stack.logs(60))) from None
+            assert worker.poll() is None, (fault, stack.logs())
+            assert await served(client, value), (fault, stack.logs())
+        await wait_until(lambda: proxy.pending(b"HSET") == 0 and proxy.pending(b"XPENDING") == 0, 60)
+        beats, scans = proxy.served.get(b"HSET", 0), proxy.served.get(b"XPENDING", 0)
+        await wait_until(lambda: proxy.served.get(b"HSET", 0) > beats and proxy.served.get(b"XPENDING", 0) > scans, 10)
+        # The clock syncs every 5 s: at least three of its faults have been met by now.
+        await wait_until(lambda: proxy.pending(b"TIME") <= len(faults) - 3, 30)
+        assert worker.poll() is None, stack.logs()
+        assert await served(client, -1)
+
+
+@pytest.mark.parametrize("name", ["heartbeat", "reclaim", "clock-sync", "hang-guard"])
+async def test_a_long_lived_task_that_ends_makes_the_worker_exit_for_a_restart(start_worker, name: str) -> None:
+    """1. An in-process synthetic worker on the real Redis is ready.
+    2. One of its long-lived tasks ends (cancelled: no Redis error can end it any more).
+    Result: the worker stops and returns ExitCode.TASK_ENDED (non-zero: its supervisor restarts it)."""
+    handle = await start_worker(model="synthetic")
+    assert name in handle.worker.tasks.watched
+    (task,) = [t for t in asyncio.all_tasks() if t.get_name() == name]
+    task.cancel()
+    assert await asyncio.wait_for(handle.task, 30) == ExitCode.TASK_ENDED
