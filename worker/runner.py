@@ -40,7 +40,7 @@ from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher, Slice
 from vramguard.worker.execute import CudaContextLost, run_batch
-from vramguard.worker.hang import HangGuard, derive_forward_timeout_s, exit_now
+from vramguard.worker.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
 from vramguard.worker.heartbeat import Heartbeat, WorkerStats
 from vramguard.worker.ledger import PlacementError
 from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
@@ -65,7 +65,7 @@ class ExitCode(IntEnum):
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
-    FORWARD_HUNG = 8  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
+    FORWARD_HUNG = 8  # a forward or a decode ran past its timeout (worker/hang.py): batch left un-acked
     TASK_ENDED = 9  # a long-lived task ended, or Redis answered the batch loop unreadably many times (worker/tasks.py)
 
 
@@ -93,7 +93,7 @@ class Worker:
         self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
         self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
-        self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
+        self._decode_s_per_item = 0.0  # decoding the example inputs, measured at warmup (worker/hang.py)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
         self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
@@ -179,8 +179,6 @@ class Worker:
             watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, threads=self.threads,
             hang=self.hang,
         )
-        self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
-                                                     self.config.max_batch_size)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
         self.stats.state = "ready"
@@ -189,7 +187,8 @@ class Worker:
         self.hang.start()
         self.tasks.watch_running()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
-                                        "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
+                                        "device": self.backend.device,
+                                        "full_batch_forward_timeout_s": self.hang.limit_s,
                                         "settings": self.settings.masked()})
         try:
             await self._serve_forever(redis, blocking)
@@ -219,6 +218,7 @@ class Worker:
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
         self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
+        self._set_timeouts()
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
         plan = self.budget.plan
         log.info("memory plan", extra={"model": self.settings.model, "worker_id": self.worker_id,
@@ -228,20 +228,32 @@ class Worker:
                         "running that many", extra={"max_inflight_batches": self.config.max_inflight_batches,
                                                     "inflight_batches": plan.inflight_batches})
 
+    def _set_timeouts(self) -> None:
+        """Each forward's and decode's timeout (worker/hang.py): configured, or scaled from a forward
+        of full-window items measured now, after the memory plan (so it runs inside the budget)."""
+        configured, cost = self.config.forward_timeout_s, self.backend.max_item_cost
+        per_cost = 0.0 if configured is not None else measure_seconds_per_cost(
+            cost, min(2, self.config.max_batch_size), lambda n: self._run_sample(cost, n))
+        self.hang.timeout = ForwardTimeout(configured, per_cost, self._decode_s_per_item)
+        self.hang.limit_s = self.hang.timeout.for_cost(self.config.max_batch_size * cost)
+
+    def _run_sample(self, cost: int, n_items: int) -> None:
+        run_batch(self.backend, [self.backend.sample_item(cost) for _ in range(n_items)], self.config.max_batch_size,
+                  budget=self.budget)
+
     def _run_examples(self) -> None:
         """The warmup batch. Raises BackendContractError when the model fails its own example inputs
         or returns what it does not declare, UnavailableError when an engine it calls is down. Its
-        duration feeds the derived forward timeout (worker/hang.py)."""
+        decode time feeds the derived decode timeout (worker/hang.py)."""
         model = self.settings.model
+        started = monotonic_ms()
         try:
             items = self.backend.decode(self.backend.example_inputs(), {})
         except Exception as exc:
             raise BackendContractError(f"model {model!r}: decode(example_inputs()) raised {exc!r}") from exc
-        started = monotonic_ms()
+        decode_s = (monotonic_ms() - started) / 1000 / max(1, len(items))
+        self._decode_s_per_item = max(self._decode_s_per_item, decode_s)  # the decode timeout scales the slowest
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
-        elapsed_s = (monotonic_ms() - started) / 1000
-        if elapsed_s >= self._warmup_forward[0]:  # the forward timeout is derived from the slowest
-            self._warmup_forward = (elapsed_s, len(items))
         failed = next((r for r in results if not r.ok), None)
         if failed is not None and failed.error_code == UnavailableError.code:
             raise UnavailableError(f"warmup: {failed.error_message}")
@@ -377,11 +389,11 @@ class Worker:
         self.fatal = self.fatal or ExitCode.TASK_ENDED
         self.should_exit = True
 
-    def _hung(self, running_s: float, what: str, request_ids: Sequence[str]) -> None:
-        """A forward ran past the forward timeout: report it and leave at once, un-acked."""
-        exit_now(ExitCode.FORWARD_HUNG, "forward hung; exiting for a restart", worker_id=self.worker_id,
-                 model=self.settings.model, forward=what, running_s=round(running_s, 1),
-                 forward_timeout_s=self.hang.limit_s, request_ids=list(request_ids))
+    def _hung(self, running_s: float, what: str, request_ids: Sequence[str], limit_s: float) -> None:
+        """A forward or a decode ran past its timeout: report it and leave at once, un-acked."""
+        exit_now(ExitCode.FORWARD_HUNG, f"{'decode' if what == 'decode' else 'forward'} hung; exiting for a restart",
+                 worker_id=self.worker_id, model=self.settings.model, forward=what, running_s=round(running_s, 1),
+                 timeout_s=round(limit_s, 2), request_ids=list(request_ids))
 
     def _unhealthy(self, reason: str) -> None:
         """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""
