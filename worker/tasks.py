@@ -15,6 +15,9 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisError
+
 log = logging.getLogger(__name__)
 
 # The asyncio task names of the long-lived tasks (shared/periodic.py and shared/clocksync.py name
@@ -78,8 +81,6 @@ class LoopRecovery:
     redis-py did not classify, and after MAX_UNEXPECTED_FAILURES of those in a row say to stop."""
 
     def __init__(self) -> None:
-        from redis.backoff import ExponentialWithJitterBackoff
-
         self._backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         self.failures = 0
         self.unexpected = 0
@@ -90,12 +91,11 @@ class LoopRecovery:
     async def failed(self, what: str, exc: Exception, client: Any) -> bool:
         """Log `exc` (raised by the call `what` made on `client`), reconnect if redis-py did not
         classify it, wait the back-off; False when the loop should give up (the worker exits)."""
-        from redis.exceptions import RedisError
-
         self.failures += 1
         expected = isinstance(exc, RedisError)
         self.unexpected = 0 if expected else self.unexpected + 1
-        log.warning(f"{what} failed", extra={"error": repr(exc), "failures": self.failures})
+        log.warning("a Redis call of the batch loop failed", extra={"call": what, "error": repr(exc),
+                                                                    "failures": self.failures})
         if not expected:
             await reconnect(client)
             if self.unexpected >= MAX_UNEXPECTED_FAILURES:

@@ -17,6 +17,7 @@ from tests.helpers import RedisServer, Stack, wait_until
 from tests.proxy import CUT, STALL, FaultProxy
 from tests.redis_faults import all_faults
 from vramguard.worker.runner import ExitCode
+from vramguard.worker.tasks import MAX_UNEXPECTED_FAILURES
 
 SETTINGS = {"served_models": "synthetic", "block_ms": 200, "heartbeat_interval_ms": 200,
             "heartbeat_ttl_ms": 1500, "reclaim_interval_ms": 200, "shutdown_grace_s": 5}
@@ -119,9 +120,11 @@ async def test_every_redis_error_in_every_long_lived_worker_task_is_survived(
        garbage, replies of the wrong shape) is injected into the heartbeat (its pipeline), the
        reclaim scan (XPENDING) and the clock sync (TIME), and one at a time, between good reads,
        into the batch loop's read (XREADGROUP), with a request served after each.
+    3. Then its read gets 10 replies of the wrong shape in a row.
     Result: the worker process still runs, answers every request, and beats and scans again after
-    the last fault; the clock sync, which runs every 5 s, has met at least its first three faults
-    by then and the worker still runs. (Today a reply of the wrong shape to its read ends the worker.)"""
+    the last fault of 2; the clock sync, which runs every 5 s, has met at least its first three
+    faults by then and the worker still runs. After 3 the worker drains and exits 9 (TASK_ENDED)
+    for a restart. (Today a reply of the wrong shape to its read ends the worker with a traceback.)"""
     stack.settings.update(SETTINGS)
     stack.start_gateway()
     worker = stack.start_worker(environ={"VRAMGUARD_REDIS_URL": proxy.url}, model="synthetic")
@@ -146,6 +149,10 @@ async def test_every_redis_error_in_every_long_lived_worker_task_is_survived(
         await wait_until(lambda: proxy.pending(b"TIME") <= len(faults) - 3, 30)
         assert worker.poll() is None, stack.logs()
         assert await served(client, -1)
+    # 3. A Redis that only ever answers the read unreadably: the worker gives up after 10 in a row.
+    proxy.inject(b"XREADGROUP", [b"+OK\r\n"] * MAX_UNEXPECTED_FAILURES)
+    await wait_until(lambda: worker.poll() is not None, 60, interval_s=0.2)
+    assert worker.returncode == ExitCode.TASK_ENDED, stack.logs()
 
 
 @pytest.mark.parametrize("name", ["heartbeat", "reclaim", "clock-sync", "hang-guard"])
