@@ -230,12 +230,16 @@ class Worker:
 
     def _set_timeouts(self) -> None:
         """Each forward's and decode's timeout (worker/hang.py): configured, or scaled from a forward
-        of full-window items measured now, after the memory plan (so it runs inside the budget)."""
-        configured, cost = self.config.forward_timeout_s, self.backend.max_item_cost
+        of full-window items measured now, after the memory plan: the longest items the budget runs,
+        as many (up to 2) as fit one forward, so the measurement never meets out of memory."""
+        configured, window = self.config.forward_timeout_s, self.backend.max_item_cost
+        limit = self.budget.max_batch_cost if self.budget is not None else None
+        cost = min(window, limit) if limit is not None else window
+        n_items = min(2, self.config.max_batch_size, limit // cost if limit is not None else 2)
         per_cost = 0.0 if configured is not None else measure_seconds_per_cost(
-            cost, min(2, self.config.max_batch_size), lambda n: self._run_sample(cost, n))
+            cost, n_items, lambda n: self._run_sample(cost, n))
         self.hang.timeout = ForwardTimeout(configured, per_cost, self._decode_s_per_item)
-        self.hang.limit_s = self.hang.timeout.for_cost(self.config.max_batch_size * cost)
+        self.hang.limit_s = self.hang.timeout.for_cost(self.config.max_batch_size * window)
 
     def _run_sample(self, cost: int, n_items: int) -> None:
         run_batch(self.backend, [self.backend.sample_item(cost) for _ in range(n_items)], self.config.max_batch_size,
