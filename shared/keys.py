@@ -4,6 +4,7 @@
     <prefix>:rep:{<gateway_id>}   reply stream of one gateway process
     <prefix>:dlq:{<model>}        dead-letter stream
     <prefix>:hb:{<worker_id>}     heartbeat hash (with a TTL)
+    <prefix>:alive:{<worker_id>}  the liveness probe's write test, when a heartbeat is stale (1 s TTL)
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
     <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
@@ -44,6 +45,9 @@ class Keys:
 
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:hb:{{{worker_id}}}"
+
+    def liveness_probe(self, worker_id: str) -> str:
+        return f"{self.prefix}:alive:{{{worker_id}}}"
 
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{{{model}}}"

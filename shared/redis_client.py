@@ -84,8 +84,9 @@ def _parser(settings: Settings) -> dict[str, Any]:
     return {"parser_class": _AsyncRESP2Parser} if settings.redis_parser == "python" else {}
 
 
-def connect(settings: Settings) -> aioredis.Redis:
+def connect(settings: Settings, *, retries: int = RETRIES) -> aioredis.Redis:
     """A pooled client for non-blocking commands; binary replies (decode_responses=False).
+    `retries`: how often a command is re-sent after a connection error or timeout (0: sent once).
 
     The pool blocks (up to COMMAND_TIMEOUT_S) when all POOL_MAX_CONNECTIONS are busy, instead of
     redis-py's default pool raising "Too many connections" at 100 concurrent requests.
@@ -94,7 +95,7 @@ def connect(settings: Settings) -> aioredis.Redis:
     """
     common: dict[str, Any] = {
         "socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "retry": _retry(), "retry_on_error": _retry_on(), "health_check_interval": 10, **_parser(settings),
+        "retry": _retry(retries), "retry_on_error": _retry_on(), "health_check_interval": 10, **_parser(settings),
     }
     if settings.redis_cluster:
         common.pop("health_check_interval")

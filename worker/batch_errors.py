@@ -32,7 +32,9 @@ async def answer_internal_error(
     request_ids = [e.message.request_id for e in entries if e.message is not None]
     log.error("batch task failed", exc_info=exc,
               extra={"worker_id": worker_id, "request_ids": request_ids, "error": repr(exc)})
-    ids = sorted(e.entry_id for e in entries)
+    # Stream order, not string order: "1000-10" sorts before "1000-9" as text, and a range from
+    # the textual min to the textual max would then be empty or miss entries.
+    ids = sorted((e.entry_id for e in entries), key=stream_order)
     try:
         pending = await redis.xpending_range(stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 1000,
                                              consumername=worker_id)
@@ -48,6 +50,13 @@ async def answer_internal_error(
         log.error("could not answer a failed batch; its entries stay pending", extra={"error": str(err)})
         return 0
     return len(replies)
+
+
+def stream_order(entry_id: str) -> tuple[int, int]:
+    """The sort key of a stream entry id "<ms>-<seq>" as Redis orders them: (ms, seq), both integers.
+    Raises ValueError for a string that is not an entry id."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _text(value: object) -> str:

@@ -18,7 +18,7 @@ Runs in a worker thread; never touches Redis.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -107,10 +107,12 @@ def chunk_by_cost(costs: Sequence[int], max_batch_size: int, max_batch_cost: int
 def run_batch(
     backend: ModelBackend, items: Sequence[object], max_batch_size: int, *,
     budget: MemoryBudget | None = None, costs: Sequence[int] | None = None,
+    guard: Callable[[int], AbstractContextManager[object]] | None = None,
 ) -> tuple[list[ItemResult], BatchStats]:
     """Run `items` through `backend` in chunks of at most `max_batch_size` items (and, with a
     `budget`, its current item cap and cost limit). `costs`: each item's backend.item_cost,
-    computed here when not given.
+    computed here when not given. `guard(padded_cost)`: a context each forward runs in, given its
+    padded cost (items x their largest cost); the hang guard times each forward in it.
 
     Returns one ItemResult per item, in order, and the stats. Never raises for a model failure
     or an OOM. Raises CudaContextLost when the device can no longer be trusted.
@@ -120,7 +122,7 @@ def run_batch(
     limit, max_cost = max_batch_size, None
     if budget is not None:
         limit, max_cost = min(limit, budget.max_batch_size), budget.max_batch_cost
-    compute = _Compute(backend, budget, stats)
+    compute = _Compute(backend, budget, stats, guard or (lambda _cost: nullcontext()))
     results: list[ItemResult] = []
     for chunk in chunk_by_cost(costs, limit, max_cost):
         results.extend(compute.run([items[i] for i in chunk], [costs[i] for i in chunk]))
@@ -128,15 +130,17 @@ def run_batch(
 
 
 class _Compute:
-    def __init__(self, backend: ModelBackend, budget: MemoryBudget | None, stats: BatchStats) -> None:
+    def __init__(self, backend: ModelBackend, budget: MemoryBudget | None, stats: BatchStats,
+                 guard: Callable[[int], AbstractContextManager[object]]) -> None:
         self.backend = backend
         self.budget = budget
         self.stats = stats
+        self.guard = guard
 
     def run(self, items: list[object], costs: list[int]) -> list[ItemResult]:
         n = len(items)
         with self._admitted(n, max(costs)) as admitted:
-            outcome = self._try_forward(items) if admitted else None
+            outcome = self._try_forward(items, n * max(costs)) if admitted else None
         if outcome is None:
             log.info("soft guard: predicted peak over the budget; splitting", extra={"batch_size": n})
             return self._halves(items, costs)
@@ -155,11 +159,12 @@ class _Compute:
             return nullcontext(True)
         return self.budget.admit(batch_size, max_item_cost)
 
-    def _try_forward(self, items: list[object]) -> list[ItemResult] | Exception | _OutOfMemory:
+    def _try_forward(self, items: list[object], padded_cost: int) -> list[ItemResult] | Exception | _OutOfMemory:
         import torch
 
         try:
-            return _forward(self.backend, items, self.stats)
+            with self.guard(padded_cost):
+                return _forward(self.backend, items, self.stats)
         except torch.cuda.OutOfMemoryError:
             return _OOM
         except Exception as exc:  # noqa: BLE001 - classified here and by the caller
@@ -182,7 +187,7 @@ class _Compute:
         if len(items) > 1:
             return self._halves(items, costs)
         with self._alone():
-            outcome = self._try_forward(items)
+            outcome = self._try_forward(items, costs[0])
             if isinstance(outcome, Exception):
                 return self._after_failure(items, costs, outcome)
             if not isinstance(outcome, _OutOfMemory):
@@ -201,7 +206,7 @@ class _Compute:
     def _check_context(self) -> None:
         """OOM that persists: a one-item probe of the smallest cost (it fit at warmup) must still run.
         Called with the device to itself (`_alone`), so a neighbour forward cannot make it fail."""
-        probe = self._try_forward([self.backend.sample_item(1)])
+        probe = self._try_forward([self.backend.sample_item(1)], 1)
         if isinstance(probe, _OutOfMemory):
             raise CudaContextLost("out of memory persists: a one-item probe no longer fits")
         if isinstance(probe, Exception) and is_cuda_error(probe):

@@ -26,7 +26,6 @@ from enum import IntEnum
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
 from vramguard.shared.clock import monotonic_ms, now_ms
@@ -42,7 +41,7 @@ from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher, Slice
 from vramguard.worker.execute import CudaContextLost, run_batch
 from vramguard.worker.generate.loop import GenerationLoop
-from vramguard.worker.hang import HangGuard, derive_forward_timeout_s, exit_now
+from vramguard.worker.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
 from vramguard.worker.heartbeat import Heartbeat, WorkerStats
 from vramguard.worker.ledger import PlacementError
 from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
@@ -51,6 +50,7 @@ from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.reclaim import Reclaimer
 from vramguard.worker.serve import BatchServer
+from vramguard.worker.tasks import LoopRecovery, TaskWatch
 from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,8 @@ class ExitCode(IntEnum):
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
-    FORWARD_HUNG = 8  # a forward ran past the forward timeout (worker/hang.py): batch left un-acked
+    FORWARD_HUNG = 8  # a forward or a decode ran past its timeout (worker/hang.py): batch left un-acked
+    TASK_ENDED = 9  # a long-lived task ended, or Redis answered the batch loop unreadably many times (worker/tasks.py)
 
 
 class Worker:
@@ -90,9 +91,10 @@ class Worker:
         self._inflight: set[asyncio.Task[None]] = set()
         self.metrics = WorkerMetrics(backend.device)
         self.hang = HangGuard(self._hung)
+        self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
         self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
-        self._warmup_forward: tuple[float, int] = (0.0, 1)  # (longest example forward s, items)
+        self._decode_s_per_item = 0.0  # decoding the example inputs, measured at warmup (worker/hang.py)
         self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
         self.start_error: str | None = None  # why the start failed (worker/startfail.py reports it)
@@ -186,8 +188,6 @@ class Worker:
             watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, threads=self.threads,
             hang=self.hang,
         )
-        self.hang.limit_s = derive_forward_timeout_s(self.config.forward_timeout_s, *self._warmup_forward,
-                                                     self.config.max_batch_size)
         if self.settings.spec_for(self.settings.model).options.get("generates"):
             self.generation = await GenerationLoop.start(self, budget, redis)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
@@ -196,8 +196,10 @@ class Worker:
         heartbeat.start()
         reclaimer.start()
         self.hang.start()
+        self.tasks.watch_running()
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
-                                        "device": self.backend.device, "forward_timeout_s": self.hang.limit_s,
+                                        "device": self.backend.device,
+                                        "full_batch_forward_timeout_s": self.hang.limit_s,
                                         "settings": self.settings.masked()})
         try:
             if self.generation is not None:
@@ -208,10 +210,13 @@ class Worker:
             self.stats.state = "draining"
             return await self._drain(redis)
         finally:
-            await clock.stop()
-            await self.hang.stop()
-            await reclaimer.stop()
-            await heartbeat.stop()
+            self.tasks.stop()
+            for stop in (clock.stop, self.hang.stop, reclaimer.stop, heartbeat.stop):
+                # A task that already ended (the watch reported it) re-raises its end on stop():
+                # gather keeps that from skipping the other steps, yet lets our own cancellation through.
+                (outcome,) = await asyncio.gather(stop(), return_exceptions=True)
+                if isinstance(outcome, BaseException):
+                    log.debug("stopping a task that had ended", extra={"error": repr(outcome)})
 
     async def ensure_group(self, redis: aioredis.Redis) -> None:
         """Create the request stream and the `workers` group if missing (a fresh or restarted Redis)."""
@@ -226,6 +231,7 @@ class Worker:
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
         self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
+        self._set_timeouts()
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
         plan = self.budget.plan
         log.info("memory plan", extra={"model": self.settings.model, "worker_id": self.worker_id,
@@ -235,20 +241,36 @@ class Worker:
                         "running that many", extra={"max_inflight_batches": self.config.max_inflight_batches,
                                                     "inflight_batches": plan.inflight_batches})
 
+    def _set_timeouts(self) -> None:
+        """Each forward's and decode's timeout (worker/hang.py): configured, or scaled from a forward
+        of full-window items measured now, after the memory plan: the longest items the budget runs,
+        as many (up to 2) as fit one forward, so the measurement never meets out of memory."""
+        configured, window = self.config.forward_timeout_s, self.backend.max_item_cost
+        limit = self.budget.max_batch_cost if self.budget is not None else None
+        cost = min(window, limit) if limit is not None else window
+        n_items = min(2, self.config.max_batch_size, limit // cost if limit is not None else 2)
+        per_cost = 0.0 if configured is not None else measure_seconds_per_cost(
+            cost, n_items, lambda n: self._run_sample(cost, n))
+        self.hang.timeout = ForwardTimeout(configured, per_cost, self._decode_s_per_item)
+        self.hang.limit_s = self.hang.timeout.for_cost(self.config.max_batch_size * window)
+
+    def _run_sample(self, cost: int, n_items: int) -> None:
+        run_batch(self.backend, [self.backend.sample_item(cost) for _ in range(n_items)], self.config.max_batch_size,
+                  budget=self.budget)
+
     def _run_examples(self) -> None:
         """The warmup batch. Raises BackendContractError when the model fails its own example inputs
         or returns what it does not declare, UnavailableError when an engine it calls is down. Its
-        duration feeds the derived forward timeout (worker/hang.py)."""
+        decode time feeds the derived decode timeout (worker/hang.py)."""
         model = self.settings.model
+        started = monotonic_ms()
         try:
             items = self.backend.decode(self.backend.example_inputs(), {})
         except Exception as exc:
             raise BackendContractError(f"model {model!r}: decode(example_inputs()) raised {exc!r}") from exc
-        started = monotonic_ms()
+        decode_s = (monotonic_ms() - started) / 1000 / max(1, len(items))
+        self._decode_s_per_item = max(self._decode_s_per_item, decode_s)  # the decode timeout scales the slowest
         results, _ = run_batch(self.backend, items, self.config.max_batch_size)
-        elapsed_s = (monotonic_ms() - started) / 1000
-        if elapsed_s >= self._warmup_forward[0]:  # the forward timeout is derived from the slowest
-            self._warmup_forward = (elapsed_s, len(items))
         failed = next((r for r in results if not r.ok), None)
         if failed is not None and failed.error_code == UnavailableError.code:
             raise UnavailableError(f"warmup: {failed.error_message}")
@@ -268,17 +290,14 @@ class Worker:
         # holds fewer (worker/plan.py gives each of them its own room in the budget).
         inflight = self.budget.plan.inflight_batches if self.budget is not None else self.config.max_inflight_batches
         slots = asyncio.Semaphore(min(self.config.max_inflight_batches, inflight))
-        backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
-        failures = read = 0
+        recovery, read = LoopRecovery(), 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
             if self.reclaimer is not None and self.reclaimer.has_work:
                 try:
                     await self._serve_suspect(redis, self.reclaimer)
-                    failures = 0
-                except RedisError as exc:
-                    failures += 1
-                    log.warning("reclaim failed", extra={"error": str(exc), "failures": failures})
-                    await self._recover(redis, exc, backoff.compute(failures))
+                    recovery.succeeded()
+                except Exception as exc:  # noqa: BLE001 - any Redis trouble, also replies redis-py cannot parse
+                    await self._recover(redis, exc, recovery, "reclaim")
                 continue
             await slots.acquire()
             if self.should_exit:  # signalled while waiting for a slot: read nothing more
@@ -288,12 +307,10 @@ class Worker:
                 batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
             try:
                 entries = await batcher.read_batch()
-                failures = 0
-            except RedisError as exc:
+                recovery.succeeded()
+            except Exception as exc:  # noqa: BLE001 - any Redis trouble, also replies redis-py cannot parse
                 slots.release()
-                failures += 1
-                log.warning("read failed", extra={"error": str(exc), "failures": failures})
-                await self._recover(redis, exc, backoff.compute(failures))
+                await self._recover(blocking, exc, recovery, "read")
                 continue
             if not entries:
                 slots.release()
@@ -309,14 +326,18 @@ class Worker:
         self._inflight.discard(task)
         slots.release()
 
-    async def _recover(self, redis: aioredis.Redis, exc: RedisError, delay_s: float) -> None:
+    async def _recover(self, client: aioredis.Redis, exc: Exception, recovery: LoopRecovery, what: str) -> None:
+        """After a failed Redis call of the batch loop: recreate the group of a Redis that restarted
+        empty, else back off (and reconnect after an unparsable reply); exit when that never ends."""
         if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
             try:
-                await self.ensure_group(redis)  # Redis restarted empty
+                await self.ensure_group(client)  # Redis restarted empty
                 return
             except RedisError:
                 pass
-        await asyncio.sleep(delay_s)
+        if not await recovery.failed(what, exc, client):
+            self._task_ended(f"the batch loop's {what} failed {recovery.unexpected} times in a row "
+                             f"with replies redis-py could not read; last: {exc!r}")
 
     def held_entries(self) -> list[EntryId]:
         """Entries this worker holds: batches being served and the batcher's carry-over."""
@@ -379,11 +400,18 @@ class Worker:
         self.fatal = ExitCode.CUDA_CONTEXT_LOST
         self.should_exit = self.force_exit = True
 
-    def _hung(self, running_s: float, what: str, request_ids: Sequence[str]) -> None:
-        """A forward ran past the forward timeout: report it and leave at once, un-acked."""
-        exit_now(ExitCode.FORWARD_HUNG, "forward hung; exiting for a restart", worker_id=self.worker_id,
-                 model=self.settings.model, forward=what, running_s=round(running_s, 1),
-                 forward_timeout_s=self.hang.limit_s, request_ids=list(request_ids))
+    def _task_ended(self, reason: str) -> None:
+        """A long-lived task ended (worker/tasks.py): stop reading, drain, exit TASK_ENDED for a restart."""
+        log.critical("worker cannot go on; exiting for a restart", extra={"worker_id": self.worker_id,
+                                                                          "reason": reason})
+        self.fatal = self.fatal or ExitCode.TASK_ENDED
+        self.should_exit = True
+
+    def _hung(self, running_s: float, what: str, request_ids: Sequence[str], limit_s: float) -> None:
+        """A forward or a decode ran past its timeout: report it and leave at once, un-acked."""
+        exit_now(ExitCode.FORWARD_HUNG, f"{'decode' if what == 'decode' else 'forward'} hung; exiting for a restart",
+                 worker_id=self.worker_id, model=self.settings.model, forward=what, running_s=round(running_s, 1),
+                 timeout_s=round(limit_s, 2), request_ids=list(request_ids))
 
     def _unhealthy(self, reason: str) -> None:
         """The watchdog's verdict: report unhealthy, stop reading, exit ExitCode.UNHEALTHY."""

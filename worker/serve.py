@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -150,9 +151,13 @@ class BatchServer:
 
     def _triage_and_cost(self, entries: list[Entry], batch_start_ms: int) -> tuple[
             list[Outgoing], list[DeadLetter], list[tuple[Entry, list[object]]], list[list[int]]]:
-        """`_triage`, then each live entry's item costs (backend.item_cost); runs on a model thread."""
-        outgoing, dead, live = self._triage(entries, batch_start_ms)
-        return outgoing, dead, live, [[self._backend.item_cost(i) for i in items] for _e, items in live]
+        """`_triage`, then each live entry's item costs (backend.item_cost); runs on a model thread,
+        under the hang guard's decode timeout: a decoder that never returns ends the worker too."""
+        request_ids = [e.message.request_id for e in entries if e.message is not None]
+        n_items = sum(e.message.n_items for e in entries if e.message is not None)
+        with self._hang.forward("decode", request_ids, self._hang.decode_limit_s(n_items)):
+            outgoing, dead, live = self._triage(entries, batch_start_ms)
+            return outgoing, dead, live, [[self._backend.item_cost(i) for i in items] for _e, items in live]
 
     async def _drop_expired(self, redis: aioredis.Redis, members: list[_Member]) -> list[_Member]:
         """Answer `deadline_exceeded` (and ack) for members whose deadline passed while earlier
@@ -194,11 +199,15 @@ class BatchServer:
         costs = [c for part, parts in group for c in parts.costs[part.start : part.stop]]
         times = GroupTimes(shared_ms_to_ns(batch_start_ms), forward_start_ns=time.time_ns())
         started = monotonic_ms()
+
+        def guard(padded_cost: int) -> AbstractContextManager[None]:  # each forward on its own timeout
+            return self._hang.forward("batch", request_ids, self._hang.forward_limit_s(padded_cost))
+
         try:
-            with self._hang.forward("batch", request_ids):
-                results, stats = await self._threads.run(
-                    run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget, costs=costs,
-                )
+            results, stats = await self._threads.run(
+                run_batch, self._backend, items, self._config.max_batch_size, budget=self.budget, costs=costs,
+                guard=guard,
+            )
         except CudaContextLost as exc:
             log.error("device context lost; exiting without acking",
                       extra={"error": str(exc), "batch_size": len(items)})

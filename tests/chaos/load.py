@@ -83,8 +83,9 @@ class Tally:
         return record_figures(f"[chaos] {scenario}: sent={self.sent} 200={self.ok} errors={{{errors}}} "
                               f"lost={self.lost} foreign={self.foreign} wall_s={wall_s:.1f}{more}")
 
-    def assert_exactly_once(self) -> None:
-        """Each request got one HTTP answer, its own (see also `check_executions`)."""
+    def assert_each_answered_with_its_own(self) -> None:
+        """Each request got an HTTP answer (none lost) carrying its own output (none crossed with
+        another's). How often each ran is `check_executions`' question, not this one's."""
         assert self.lost == 0, [r for r in self.results if r.status is None][:5]
         assert self.foreign == 0
 

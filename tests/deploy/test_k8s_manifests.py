@@ -18,6 +18,7 @@ import yaml
 from cloudcoil.models.keda.v1alpha1 import ScaledObject, TriggerAuthentication
 
 from tests.ci import require_part
+from tests.keda import figure_kind, stream_triggers
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.settings import Settings
 
@@ -117,11 +118,18 @@ def test_scaled_object_watches_the_stream_and_group_the_workers_use(overlay: str
     for trigger in triggers:
         meta = trigger["metadata"]
         assert set(meta) <= KEDA_REDIS_STREAMS_KEYS, set(meta) - KEDA_REDIS_STREAMS_KEYS
-        assert (meta["stream"], meta["consumerGroup"]) == (stream, GROUP)
+        assert meta["stream"] == stream
+        assert meta.get("consumerGroup", GROUP) == GROUP
         env_names = {e["name"] for e in container["env"]}
         assert meta["addressFromEnv"] in env_names  # KEDA reads it from the scale target's container
-    kinds = {frozenset(t["metadata"]) & {"pendingEntriesCount", "lagCount"} for t in triggers}
-    assert kinds == {frozenset({"pendingEntriesCount"}), frozenset({"lagCount"})}
+
+
+def test_autoscaling_reads_the_stream_length_which_no_redis_version_leaves_unknown() -> None:
+    """The lag is NULL on Redis >= 7.2 while a backlog is served out of order (read as 0), pending
+    entries never exceed what the workers hold: only the stream length tracks the backlog. The
+    integration test test_keda_figure.py checks that figure against a real Redis and workers."""
+    kinds = {figure_kind(meta) for meta in stream_triggers(by_kind(render("gpu"), "ScaledObject"))}
+    assert kinds == {"length"}, kinds
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -148,7 +156,7 @@ def test_gpu_overlay_gives_each_worker_one_gpu_and_probes_its_heartbeat() -> Non
     values = env_settings(docs, container)
     assert values["VRAMGUARD_WORKERS_PER_GPU"] == "1" and values["VRAMGUARD_DEVICE"] == "cuda"
     assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}  # the device plugin sets it
-    assert container["livenessProbe"]["exec"]["command"] == ["python", "-m", "vramguard.worker.alive"]
+    assert container["livenessProbe"]["exec"]["command"][:3] == ["python", "-m", "vramguard.worker.alive"]
     assert (K8S.parents[1] / "worker" / "alive.py").exists()
     gateway = next(d for d in by_kind(docs, "Deployment") if "gateway" in d["metadata"]["name"])
     probes = gateway["spec"]["template"]["spec"]["containers"][0]
@@ -170,3 +178,26 @@ def test_the_gateway_serves_through_a_rollout_and_its_settings_hold(overlay: str
     settings = Settings(**{k.removeprefix("VRAMGUARD_").lower(): v for k, v in values.items()})  # type: ignore[arg-type]
     assert settings.max_inflight_body_bytes <= 100 * 2**20  # the 1Gi arithmetic in gateway.yaml
     assert container["resources"]["limits"]["memory"] == "1Gi"
+
+
+def surge_pods(deployment: dict[str, Any]) -> int:
+    """Pods a rollout may run above `replicas`, as the Deployment controller computes it: Recreate
+    none; RollingUpdate maxSurge, a count or a percentage rounded up, 25% when unset
+    (kubernetes.io/docs/concepts/workloads/controllers/deployment/#max-surge)."""
+    strategy = deployment["spec"].get("strategy", {})
+    if strategy.get("type") == "Recreate":
+        return 0
+    surge = strategy.get("rollingUpdate", {}).get("maxSurge", "25%")
+    replicas = int(deployment["spec"].get("replicas", 1))
+    if isinstance(surge, str) and surge.endswith("%"):
+        return -(-replicas * int(surge[:-1]) // 100)
+    return int(surge)
+
+
+def test_gpu_worker_rollout_needs_no_gpu_beyond_those_its_pods_hold() -> None:
+    """A rollout on a cluster whose GPUs are all taken: a surge pod would wait for a GPU forever."""
+    worker = next(d for d in by_kind(render("gpu"), "Deployment") if "worker" in d["metadata"]["name"])
+    assert worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert surge_pods(worker) == 0, worker["spec"].get("strategy")
+    unavailable = worker["spec"].get("strategy", {}).get("rollingUpdate", {}).get("maxUnavailable", 1)
+    assert unavailable not in (0, "0%")  # with no surge, 0 unavailable would deadlock the rollout

@@ -6,8 +6,12 @@ from __future__ import annotations
 import time
 
 import httpx
+import redis.asyncio as aioredis
 
 from tests.helpers import Stack, wait_until
+from vramguard.shared.clock import now_ms
+from vramguard.shared.keys import Keys
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 
 
 async def test_a_failing_batch_task_answers_500_internal_at_once(stack: Stack) -> None:
@@ -37,3 +41,39 @@ async def test_a_failing_batch_task_answers_500_internal_at_once(stack: Stack) -
     log = (stack.log_dir / "worker-0.log").read_text()
     failed = [line for line in log.splitlines() if '"batch task failed"' in line]
     assert len(failed) == 1 and body["request_id"] in failed[0]
+
+
+async def test_a_failing_batch_of_entries_across_a_digit_boundary_is_answered_whole(
+    stack: Stack, redis_client: aioredis.Redis, key_prefix: str
+) -> None:
+    """1. One synthetic worker (fault injection on; a 300 ms batch window; claim_idle_ms 10 s, the
+       default) and its gateway are ready.
+    2. Four requests are added in one transaction with the ids a burst of admissions in one
+       millisecond gets, 1000-8 ... 1000-11 (as text "1000-10" sorts before "1000-8"), each an
+       input whose costing raises, so the worker's batch task fails with all four in its batch.
+    Result: all four callers get 500 `internal` from the worker, well before any reclaim."""
+    stack.start_gateway(served_models="synthetic")
+    stack.start_worker(model="synthetic", fault_injection="true", models__synthetic__max_wait_ms=300)
+    await stack.wait_ready()
+    reply_to = f"{key_prefix}:test-replies"
+    await redis_client.xadd(reply_to, {"opened": "1"})  # workers reply with NOMKSTREAM
+    now = now_ms()
+    ids = [f"1000-{seq}" for seq in range(8, 12)]
+    async with redis_client.pipeline(transaction=True) as pipe:
+        for seq, entry_id in enumerate(ids):
+            message = RequestMessage(request_id=RequestId(f"burst-{seq}"), model="synthetic",
+                                     inputs=[{"fault": "internal"}], reply_to=reply_to,
+                                     deadline_ms=now + 30_000, enqueued_ms=now)
+            pipe.xadd(Keys(key_prefix).request_stream("synthetic"), {ENTRY_FIELD: message.encode()}, id=entry_id)
+        await pipe.execute()
+    replies: dict[str, ReplyMessage] = {}
+    last_id, until = "0", time.monotonic() + 8.0  # claim_idle_ms is 10 s: no reclaim answers these
+    while len(replies) < len(ids) and time.monotonic() < until:
+        for _stream, entries in await redis_client.xread({reply_to: last_id}, block=500) or ():
+            for entry_id, fields in entries:
+                last_id = entry_id
+                if ENTRY_FIELD in fields:
+                    reply = ReplyMessage.decode(fields[ENTRY_FIELD])
+                    replies[reply.request_id] = reply
+    assert sorted(replies) == [f"burst-{seq}" for seq in range(4)], stack.logs()
+    assert {r.error_code for r in replies.values()} == {"internal"}

@@ -9,6 +9,8 @@ import asyncio
 import base64
 import io
 import json
+import struct
+import zlib
 from pathlib import Path
 
 import httpx
@@ -23,10 +25,26 @@ from tests.helpers import Stack
 HOPPER = cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)  # ships with matplotlib
 
 
-def encoded(image: Image.Image, format: str = "PNG") -> bytes:
+def encoded(image: Image.Image, format: str = "PNG", **options: object) -> bytes:
     buffer = io.BytesIO()
-    image.save(buffer, format=format)
+    image.save(buffer, format=format, **options)
     return buffer.getvalue()
+
+
+def with_size(png: bytes, width: int, height: int) -> bytes:
+    """`png` whose header (IHDR, the first chunk) declares width x height, its CRC fixed: what a
+    decoder sizes its work by, before reading any pixel."""
+    ihdr = bytearray(png[12:29])  # chunk type, then width, height (big-endian) and 5 bytes of format
+    ihdr[4:12] = struct.pack(">II", width, height)
+    return png[:12] + bytes(ihdr) + struct.pack(">I", zlib.crc32(ihdr)) + png[33:]
+
+
+def many_scans(photo: bytes, scans: int) -> bytes:
+    """A small progressive JPEG of `photo` whose last scan is repeated until it has `scans` scans
+    (each a full pass over the image; libjpeg only warns about the repeats)."""
+    small = encoded(Image.open(io.BytesIO(photo)).convert("RGB").resize((64, 64)), "JPEG", progressive=True)
+    last = small.rindex(b"\xff\xda")
+    return small[:last] + small[last:-2] * (scans - small.count(b"\xff\xda") + 1) + small[-2:]
 
 
 def hostile_images(photo: bytes) -> dict[str, tuple[bytes, set[int]]]:
@@ -34,6 +52,10 @@ def hostile_images(photo: bytes) -> dict[str, tuple[bytes, set[int]]]:
     sixteen_bit = Image.fromarray((np.arange(48 * 64).reshape(48, 64) * 20).astype(np.uint16))
     assert sixteen_bit.mode == "I;16"
     return {
+        "TIFF": (encoded(Image.new("RGB", (8, 8)), "TIFF"), {422}),  # a format not on the model's list
+        "3000-scan JPEG": (many_scans(photo, 3000), {422}),
+        # 36 megapixels, under the pixel bound, but 144 MB as Pillow holds RGBA: over the bytes bound.
+        "6000x6000 RGBA PNG": (with_size(encoded(Image.new("RGBA", (1, 1))), 6000, 6000), {413}),
         "truncated": (photo[: len(photo) // 2], {422}),  # the messages: test_bad_images_are_named_plainly
         "not an image": (b"%PDF-1.4 certainly not a picture", {422}),
         "20000x20000 bomb": (encoded(Image.new("1", (20_000, 20_000))), {413}),  # ~50 KB of PNG
@@ -82,8 +104,12 @@ async def test_image_classifier_end_to_end_with_hostile_inputs(stack: Stack) -> 
                 message = reply.json()["error"]["message"]
                 # Plain words for the client, never Pillow's exception text (class names, object reprs).
                 assert message and "Error" not in message and " at 0x" not in message, (name, message)
-        assert "truncated or corrupt" in replies[0].json()["error"]["message"]
-        assert "not an image" in replies[1].json()["error"]["message"]
+        messages = {name: reply.json()["error"]["message"] for name, reply in zip(cases, replies, strict=False)
+                    if reply.status_code != 200}
+        assert "truncated or corrupt" in messages["truncated"]
+        assert "not an image" in messages["not an image"]
+        assert "(JPEG, PNG, WebP, GIF, BMP)" in messages["TIFF"]
+        assert "3000 scans" in messages["3000-scan JPEG"] and "144000000 bytes" in messages["6000x6000 RGBA PNG"]
         assert all(r.status_code == 200 for r in replies[len(cases):])
 
         # 4. The worker is alive and still answers.

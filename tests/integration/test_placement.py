@@ -116,11 +116,13 @@ async def test_three_workers_each_claiming_the_whole_gpu_cannot_over_commit_it(s
 
 
 @pytest.mark.slow
-async def test_two_forwards_in_flight_stay_inside_the_budget(stack: Stack, tmp_path: Path) -> None:
+async def test_two_forwards_in_flight_run_without_oom(stack: Stack, tmp_path: Path) -> None:
     """1. One worker on a 256 MiB simulated GPU with max_inflight_batches=2: the plan gives each
        of the two concurrent forwards its own room ((0.8 x 256 - 12 - 64) / 2 - 8) / 4 = 14 items).
     2. 100 concurrent clients for 5 s, each forward taking 20 ms.
-    Result: two forwards did run at once; no OOM; the peak stayed inside the budget."""
+    Result: two forwards did run at once, each at most the planned 15 items, and none hit out of
+    memory. (The simulated device raises at the budget's limit, so it is the absence of OOM that
+    shows the plan's room held, not the peak, which cannot pass the limit.)"""
     stack.start_gateway(served_models="synthetic")
     stack.start_worker(model="synthetic", device="sim", sim_memory_bytes=256 * MIB,
                        models__synthetic__max_inflight_batches=2, models__synthetic__max_wait_ms=2,

@@ -21,6 +21,7 @@ forward it is in, the way real failures do:
     "hang"        the forward never returns (a stuck kernel or a deadlock; worker/hang.py ends it)
     "internal"    not the forward: costing the input raises, a bug in the worker's batch task
                   (worker/batch_errors.py answers 500 internal)
+    "decode_hang" not the forward: decoding the request never returns (a stuck image decoder)
 and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
 way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
 when that file exists, the next forward deletes it and raises a CUDA error.
@@ -75,6 +76,8 @@ class SyntheticBackend:
             self._sim.allocate(self.weights_bytes)
 
     def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
+        if self.fault_injection and any(isinstance(i, dict) and i.get("fault") == "decode_hang" for i in inputs):
+            inject_fault("hang")
         return list(inputs)
 
     @property
