@@ -51,7 +51,8 @@ class Sampling(BaseModel):
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
-    seed: StrictInt | None = None
+    # int64, as OpenAI documents it; past that the value cannot travel in the msgpack request
+    seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: StrictStr | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None

@@ -22,6 +22,7 @@ from vramguard.gateway.replies import INIT_FIELD, ReplyListener, ReplyStream
 from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.errors import (
     DeadlineExceededError,
+    InvalidInputError,
     ModelNotFoundError,
     QueueFullError,
     UnavailableError,
@@ -139,6 +140,10 @@ class Dispatcher:
             Every raised error carries the request id once one was assigned.
         """
         self.check_model(model)
+        if self._settings.spec_for(model).options.get("generates"):
+            # Its worker answers in numbered chunks that only the streaming routes read.
+            raise InvalidInputError(f"model {model[:100]!r} generates text: use POST /v1/chat/completions or "
+                                    "POST /v1/completions", request_id=request_id)
         config = self.config_for(model)
         request_id = request_id or RequestId(uuid.uuid4().hex)
         started_ms = monotonic_ms()

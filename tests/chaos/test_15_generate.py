@@ -37,7 +37,8 @@ pytestmark = pytest.mark.timeout(400)
 PREFIX = "gen"
 SETTINGS: dict[str, object] = {
     "served_models": "smollm2", "model": "smollm2", "key_prefix": PREFIX, "block_ms": 200,
-    "heartbeat_interval_ms": 200, "claim_idle_ms": 1000, "reclaim_interval_ms": 200, "torch_threads": 1,
+    "heartbeat_interval_ms": 200, "heartbeat_ttl_ms": 2000, "probe_interval_s": 0.5, "claim_idle_ms": 1000,
+    "reclaim_interval_ms": 200, "torch_threads": 1,
     # The CPU's resident set is a poor measure of a step's peak, and measuring costs a minute on
     # 2 busy cores; the KV plan still comes from the worker's share and the measured bytes per token.
     "memory_planner": "false",
@@ -148,6 +149,7 @@ BAD_BODIES = [
     ("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "tools": [], "logprobs": True}),
     ("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "n": 2}),
     ("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "stop": ["a", "b", "c", "d", "e"]}),
+    ("chat", {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}], "seed": 2**64}),
     ("text", {"model": "smollm2", "prompt": "x" * (10 * 1024 * 1024)}),
     ("text", {"model": "smollm2", "prompt": "x" * 300_000}),
 ]
@@ -170,7 +172,40 @@ def test_bad_bodies_refused_before_queueing(gen: GenStack) -> None:
                           json={"model": "smollm2", "prompt": "word " * 1500, "max_tokens": 1000})
     message = response.json()["error"]["message"]
     assert response.status_code == 400 and "max_tokens is 1000" in message and "prompt has 15" in message, message
+    native = httpx.post(gen.url + "/v1/models/smollm2/infer", json={"inputs": ["Once upon a time"]}, timeout=60)
+    assert native.status_code == 422 and "/v1/chat/completions" in native.json()["error"]["message"], native.text
     assert gen.queued_entries() == before
+
+
+async def test_a_worker_generating_past_its_probe_window_stays_ready(gen: GenStack) -> None:
+    """1. Readiness calls a worker live while its last probe or batch is younger than
+       2 x probe_interval_s + heartbeat_ttl_ms (3 s in this stack); a busy worker does not probe.
+    2. One stream of 128 greedy tokens runs while /health/ready is polled every 0.25 s.
+    Result: the stream outlasts that window and every poll answers 200 (decode steps count)."""
+    client = openai.AsyncOpenAI(base_url=gen.url + "/v1", api_key="unused", timeout=300, max_retries=0)
+    statuses: list[int] = []
+    done = asyncio.Event()
+
+    async def poll() -> None:
+        async with httpx.AsyncClient(base_url=gen.url, timeout=30) as http:
+            while not done.is_set():
+                statuses.append((await http.get("/health/ready")).status_code)
+                await asyncio.sleep(0.25)
+
+    async def generate() -> None:
+        try:
+            stream = await client.completions.create(model="smollm2", prompt=STORY, max_tokens=128, temperature=0,
+                                                     stream=True)
+            async for _chunk in stream:
+                pass
+        finally:
+            done.set()
+
+    started = time.monotonic()
+    await asyncio.gather(poll(), generate())
+    await client.close()
+    assert time.monotonic() - started > 3.0  # else the window was never at stake
+    assert statuses and set(statuses) == {200}, statuses
 
 
 async def test_short_request_overtakes_eight_long_streams(gen: GenStack) -> None:

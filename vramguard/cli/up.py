@@ -66,7 +66,7 @@ def refuse(message: str) -> NoReturn:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `vramguard up` (and of deploy/up.py, the same launcher)."""
     parser.add_argument("--model", default="minilm",
-                        help="model to serve: a built-in one (minilm, synthetic, efficientnet) or one of "
+                        help="model to serve: a built-in one (minilm, synthetic, efficientnet, smollm2) or one of "
                         "VRAMGUARD_MODELS_FILE (default minilm)")
     parser.add_argument("--backend", metavar="PKG.MODULE:CLASS",
                         help="serve this class of yours instead of --model, importable from the current folder; "

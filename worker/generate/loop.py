@@ -95,5 +95,8 @@ class GenerationLoop:
             await server.take(redis, entries)
         if server.busy:
             await server.step(redis)
+            # A decode step that ran is the device answering, as a batch is for the other models:
+            # without it readiness would call a worker busy generating for minutes not live.
+            self.worker.watchdog.mark_ok()
         elif self.worker.watchdog.probe_due:
             await self.worker.watchdog.probe()
