@@ -41,7 +41,6 @@ from vramguard.gateway.routes import (
     require_api_key,
     router,
 )
-from vramguard.gateway.tasks import TaskWatch
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import (
     DeadlineExceededError,
@@ -54,6 +53,7 @@ from vramguard.shared.errors import (
 from vramguard.shared.keys import Keys
 from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
 from vramguard.shared.settings import Settings
+from vramguard.shared.tasks import TaskWatch
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,8 @@ def create_app(settings: Settings) -> FastAPI:
         redis = connect(settings)
         blocking = connect_blocking(settings)
         listener = ReplyListener(settings, redis, blocking, keys.reply_stream(gateway_id))
-        tasks = TaskWatch()
+        tasks = TaskWatch(lambda reason: log.critical(
+            "a long-lived task ended; this gateway cannot serve and exits for a restart", extra={"reason": reason}))
         health = Health(settings, redis, keys, tasks)
         app.state.settings = settings
         app.state.health = health
@@ -161,7 +162,7 @@ async def shut_down(app: FastAPI) -> None:
 
 
 def broken_task(app: FastAPI) -> str | None:
-    """Which long-lived task ended while the gateway runs (gateway/tasks.py), else None; the
+    """Which long-lived task ended while the gateway runs (shared/tasks.py), else None; the
     process must then exit for a restart."""
     health: Health | None = getattr(app.state, "health", None)
     return health.tasks.ended if health is not None else None

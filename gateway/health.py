@@ -17,13 +17,13 @@ from typing import cast
 import redis.asyncio as aioredis
 
 from vramguard.gateway.expected import ReturnWatch
-from vramguard.gateway.tasks import TaskWatch
 from vramguard.shared.clock import now_ms
 from vramguard.shared.errors import UnavailableError
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys
 from vramguard.shared.periodic import Periodic
 from vramguard.shared.settings import Settings
+from vramguard.shared.tasks import TaskWatch
 
 log = logging.getLogger(__name__)
 

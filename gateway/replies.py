@@ -12,12 +12,12 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError
 
-from vramguard.gateway.tasks import TaskWatch, reconnect
 from vramguard.shared.errors import UnavailableError
 from vramguard.shared.periodic import Periodic
 from vramguard.shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
 from vramguard.shared.redis_client import describe_data_loss
 from vramguard.shared.settings import Settings
+from vramguard.shared.tasks import TaskWatch, reconnect
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ReplyListener:
         self._keepalive.start()
 
     def watch(self, tasks: TaskWatch) -> None:
-        """Put the reader and the keepalive under `tasks` (gateway/tasks.py); call after start()."""
+        """Put the reader and the keepalive under `tasks` (shared/tasks.py); call after start()."""
         assert self._reader is not None and self._keepalive.task is not None
         tasks.watch(self._reader)
         tasks.watch(self._keepalive.task)

@@ -36,6 +36,7 @@ from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId
 from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
 from vramguard.shared.settings import Settings
+from vramguard.shared.tasks import TaskWatch
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher, Slice
@@ -50,7 +51,7 @@ from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.reclaim import Reclaimer
 from vramguard.worker.serve import BatchServer
-from vramguard.worker.tasks import LoopRecovery, TaskWatch
+from vramguard.worker.tasks import LONG_LIVED, LoopRecovery
 from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -196,7 +197,7 @@ class Worker:
         heartbeat.start()
         reclaimer.start()
         self.hang.start()
-        self.tasks.watch_running()
+        self.tasks.watch_running(LONG_LIVED)
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device,
                                         "full_batch_forward_timeout_s": self.hang.limit_s,
