@@ -22,6 +22,7 @@ from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
 from vramguard.worker import simdevice
+from vramguard.worker.simalloc import Block
 from vramguard.worker.simdevice import SimDevice
 
 KIB, MIB = 1024, 1024 * 1024
@@ -35,15 +36,18 @@ class SimCache:
 
     def __init__(self, sim: SimDevice | None, bytes_per_token: int) -> None:
         self.sim, self.bytes_per_token, self.length = sim, bytes_per_token, 0
+        self._blocks: list[Block] = []  # one per prefill chunk, as each chunk's tensors are
 
     def grow(self, tokens: int) -> None:
         if self.sim is not None:
-            self.sim.allocate(tokens * self.bytes_per_token)
+            self._blocks.append(self.sim.allocate(tokens * self.bytes_per_token))
         self.length += tokens
 
     def free(self) -> None:
         if self.sim is not None:
-            self.sim.release(self.length * self.bytes_per_token)
+            for block in self._blocks:
+                self.sim.release(block)
+        self._blocks.clear()
         self.length = 0
 
 
@@ -54,6 +58,8 @@ class SimKVBatch:
         self.sim, self.bytes_per_token, self.layers = sim, bytes_per_token, layers
         self.lengths: list[int] = []
         self._held = 0
+        # One tensor per layer of rows x width tokens, as DynamicCache holds them.
+        self._layers: list[Block | None] = [None] * layers
 
     @property
     def rows(self) -> int:
@@ -69,12 +75,11 @@ class SimKVBatch:
     def _resize(self) -> None:
         """Hold rows x width tokens; a change copies layer by layer (one layer's new copy at a time)."""
         wanted = self.rows * self.width * self.bytes_per_token
-        if self.sim is not None:
-            with self.sim.transient(2 * wanted // self.layers):
-                if wanted > self._held:
-                    self.sim.allocate(wanted - self._held)
-            if wanted < self._held:
-                self.sim.release(self._held - wanted)
+        if self.sim is not None and wanted != self._held:
+            for i, old in enumerate(self._layers):  # each layer's new tensor is made before its old one goes
+                self._layers[i] = self.sim.allocate(wanted // self.layers) if wanted else None
+                if old is not None:
+                    self.sim.release(old)
         self._held = wanted
 
     def join(self, cache: SimCache, length: int) -> None:
