@@ -108,7 +108,11 @@ def kill_worker_and_request(client: httpx.Client) -> None:
         wait_until(lambda: int(inspect(WORKER)["RestartCount"]) > restarts, 60, "Docker to restart the worker")
         pending.result(timeout=BACK_TIMEOUT_S)
     # /metrics shows the heartbeats the gateway last fetched: the new worker appears within a refresh.
-    wait_until(lambda: any(s > sent_s for s in worker_start_times_s(client)), 30, "the restarted worker on /metrics")
+    def only_the_new_worker() -> bool:  # the killed worker's heartbeat expires, the new one's arrives
+        started = worker_start_times_s(client)
+        return bool(started) and min(started) > sent_s
+
+    wait_until(only_the_new_worker, 30, "the restarted worker alone on /metrics")
     started = worker_start_times_s(client)
     if not started or min(started) <= sent_s:
         raise CheckFailed(f"the request sent at {sent_s:.3f} was served by a worker started at {started}")
