@@ -12,7 +12,7 @@ tokens, `prefill`, `step_forward` for KVBatch, `detokenize`.
 options (catalogue or models file): `package` (an installed package holding the model files)
 or `path` (a folder); `gguf_file` (a GGUF file name in it; transformers de-quantizes it, which
 takes a minute on a CPU, so the result is saved once under `cache_dir`, default
-~/.cache/vramguard/<model>, and later starts load that); `context_window` (tokens; default the
+~/.cache/vramguard/<model>, keyed by the file's SHA-256, and later starts load that); `context_window` (tokens; default the
 model config's max_position_embeddings). params: `prefill_chunk_tokens` (default 128): the most
 prompt tokens one step prefills, the bound on how long a joining prompt stalls the running
 sequences.
@@ -20,9 +20,12 @@ sequences.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -85,30 +88,37 @@ class CausalLMBackend:
 
     def _converted_folder(self) -> Path:
         """The model as a transformers folder: the source itself, or a GGUF file de-quantized once
-        into `cache_dir` (its marker records the GGUF's size and mtime, so a new file converts again)."""
+        into `cache_dir`/<first 16 hex digits of the GGUF's SHA-256>.
+
+        Keyed by content, not by path, so checkouts and virtualenvs holding the same package share
+        one conversion, and a changed file converts again. The conversion is written to a
+        temporary folder and renamed into place, so two workers converting at once never read or
+        leave a half-written folder (the first rename wins; the other copy is removed)."""
         source = self._source()
         gguf = self.options.get("gguf_file")
         if gguf is None:
             return source
-        gguf_path = source / str(gguf)
-        stat = gguf_path.stat()
-        marker = {"gguf": str(gguf_path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        default_cache = Path.home() / ".cache" / "vramguard" / self.name
-        cache = Path(str(self.options.get("cache_dir", default_cache)))
-        marker_path = cache / "vramguard-source.json"
-        if marker_path.exists() and json.loads(marker_path.read_text()) == marker:
+        with (source / str(gguf)).open("rb") as handle:
+            digest = hashlib.file_digest(handle, "sha256").hexdigest()[:16]
+        base = Path(str(self.options.get("cache_dir", Path.home() / ".cache" / "vramguard" / self.name)))
+        cache = base / digest
+        if cache.is_dir():
             return cache
         model: Any = AutoModelForCausalLM.from_pretrained(source, gguf_file=str(gguf), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=str(gguf))
-        cache.mkdir(parents=True, exist_ok=True)
+        base.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{digest}-", dir=base))
         # The weights are plain float32 now; without this transformers refuses to save a model
         # that was loaded through its GGUF "quantizer".
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
-        model.save_pretrained(cache)
-        tokenizer.save_pretrained(cache)
-        marker_path.write_text(json.dumps(marker))  # last: a half-written folder is converted again
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(cache)
+        except OSError:  # another process renamed its copy first: use that one
+            shutil.rmtree(staging, ignore_errors=True)
         return cache
 
     # --- what the plan and the KV cache need ---------------------------------------------------
