@@ -12,10 +12,10 @@ tokens, `prefill`, `step_forward` for KVBatch, `detokenize`.
 options (catalogue or models file): `package` (an installed package holding the model files)
 or `path` (a folder); `gguf_file` (a GGUF file name in it; transformers de-quantizes it, which
 takes a minute on a CPU, so the result is saved once under `cache_dir`, default
-~/.cache/vramguard/<model>, keyed by the file's SHA-256, and later starts load that); `context_window` (tokens; default the
-model config's max_position_embeddings). params: `prefill_chunk_tokens` (default 128): the most
-prompt tokens one step prefills, the bound on how long a joining prompt stalls the running
-sequences.
+~/.cache/vramguard/<model>, keyed by the file's SHA-256, and later starts load that);
+`context_window` (tokens; default the model config's max_position_embeddings). params:
+`prefill_chunk_tokens` (default 128): the most prompt tokens one step prefills, the bound on
+how long a joining prompt stalls the running sequences.
 """
 
 from __future__ import annotations
