@@ -257,6 +257,25 @@ async def test_client_leaving_after_3_tokens_stops_its_sequence(gen: GenStack) -
     await wait_until(counted, 30, interval_s=0.5)
 
 
+async def test_client_leaving_a_whole_completion_stops_its_sequence(gen: GenStack) -> None:
+    """A non-streamed completion of 200 tokens whose client closes the connection once its
+    sequence runs: the sequence stops within a few steps and is counted cancelled, not finished."""
+    await wait_until(lambda: gen.generation().get("running") == 0, 60)
+    before = gen.generation()
+    body = {"model": "smollm2", "prompt": STORY, "max_tokens": 200, "temperature": 0}
+    async with httpx.AsyncClient(base_url=gen.url, timeout=120) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json=body))
+        await wait_until(lambda: int(gen.generation().get("tokens_generated", 0)) > int(before["tokens_generated"]), 60)
+        request.cancel()  # httpx drops the connection of a request cancelled before its answer
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    at_cancel = int(gen.generation()["tokens_generated"])
+    await wait_until(lambda: gen.generation().get("cancelled", 0) == before["cancelled"] + 1, 60)
+    after = gen.generation()
+    assert after["running"] == 0 and after["kv_bytes_used"] == 0 and after["finished"] == before["finished"]
+    assert int(after["tokens_generated"]) - at_cancel <= 8  # a few steps (and one heartbeat's lag) past the cancel
+
+
 def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
     workers = httpx.get(gen.url + "/v1/models/smollm2").json()["workers"]
     generation = json.loads(next(iter(workers.values()))["generation"])
