@@ -20,7 +20,8 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
 from vramguard.gateway.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
-from vramguard.gateway.edge import JSON, BadBodyError, ClientGoneError, header_timeout, read_body, require_media_type
+from vramguard.gateway.disconnect import unless_disconnected
+from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of
 from vramguard.gateway.prompt_tokens import PromptTokens
 from vramguard.gateway.render import FastJSONResponse
@@ -80,7 +81,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
             return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
-            text, last = await _collect_while_connected(request, stream, deadline)
+            text, last = await unless_disconnected(request, _collect(stream, deadline))
         except BaseException:
             await dispatcher.close_stream(body.model, request_id, cancel=True)
             raise
@@ -149,29 +150,6 @@ async def _collect(stream: ReplyStream, deadline: float) -> tuple[str, dict[str,
         parts.append(str(chunk["text"]))
         last = chunk
     return "".join(parts), last
-
-
-async def _collect_while_connected(request: Request, stream: ReplyStream,
-                                   deadline: float) -> tuple[str, dict[str, object]]:
-    """The whole completion, unless the client disconnects first: then ClientGoneError (the caller
-    cancels the sequence through its cancel key, as for a stream). The HTTP server does not cancel
-    a handler whose client left, so the connection is watched here (its receive() says
-    http.disconnect once the body has been read)."""
-    collect = asyncio.ensure_future(_collect(stream, deadline))
-    gone = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        collect.cancel()  # a no-op once it is done
-    if collect.done() and not collect.cancelled():
-        return collect.result()  # raises the generation's own error
-    raise ClientGoneError("the client disconnected before its completion finished")
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _events(request: Request, stream: ReplyStream, view: _View, deadline: float,

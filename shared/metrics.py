@@ -85,6 +85,8 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
     FieldMetric("items", PREFIX + "worker_items", "counter", "Items (inputs) served."),
     FieldMetric("errors", PREFIX + "worker_errors", "counter", "Requests answered with an error."),
     FieldMetric("expired", PREFIX + "worker_expired", "counter", "Requests whose deadline passed while queued."),
+    FieldMetric("cancelled", PREFIX + "worker_cancelled", "counter",
+                "Requests whose client left before their batch ran (acked, not computed)."),
     FieldMetric("last_batch_size", PREFIX + "worker_last_batch_size", "gauge", "Items in the last batch."),
     FieldMetric("items_per_s", PREFIX + "worker_items_per_second", "gauge", "Items served per second, last minute."),
     FieldMetric("mean_batch_size_1m", PREFIX + "worker_mean_batch_size", "gauge", "Mean items per batch, last minute."),
