@@ -286,6 +286,22 @@ def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
     assert {"running", "waiting", "kv_bytes_used", "kv_bytes_reserved", "cancelled", "resumed"} <= set(generation)
 
 
+async def test_token_latencies_are_histograms_on_metrics(gen: GenStack) -> None:
+    """After the generations above: /metrics shows time to first token and time per output token
+    as Prometheus histograms (buckets for token latencies, a count per sequence)."""
+    httpx.post(gen.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 3,
+                                                    "temperature": 0}, timeout=120).raise_for_status()
+
+    def shown() -> bool:  # /metrics reads the heartbeats the gateway last fetched: allow it a refresh
+        text = httpx.get(gen.url + "/metrics").text
+        counts = {name: re.findall(rf'^vramguard_{name}_bucket{{[^}}]*le="\+Inf"[^}}]*}} (\S+)$', text, re.M)
+                  for name in ("time_to_first_token_seconds", "time_per_output_token_seconds")}
+        return all(values and float(values[0]) >= 1 for values in counts.values()) and \
+            'vramguard_time_per_output_token_seconds_bucket{' in text and 'le="0.05"' in text
+
+    await wait_until(shown, 30, interval_s=0.5)
+
+
 def test_deadline_cuts_a_stream_with_an_error_event(gen: GenStack) -> None:
     body = {"model": "smollm2", "prompt": STORY, "max_tokens": 1000, "temperature": 0, "stream": True}
     with httpx.stream("POST", gen.url + "/v1/completions", json=body, headers={"X-Request-Timeout-Ms": "4000"},

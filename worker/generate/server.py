@@ -36,6 +36,7 @@ from vramguard.worker.generate.progress import chunk_reply, read_progress, write
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.plan import Fit
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
@@ -103,7 +104,8 @@ class GenerationServer:
     """Continuous batching for `settings.model` as consumer `worker_id`, inside `plan`."""
 
     def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan,
-                 threads: ModelThreads, on_oom: Callable[[int], None] | None = None) -> None:
+                 threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self.worker_id = worker_id
@@ -118,6 +120,7 @@ class GenerationServer:
         self.stats = GenerationStats()
         self._rows = RowCap(plan.max_running)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
+        self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
 
     # --- what the runner asks -------------------------------------------------------------
 
@@ -325,6 +328,7 @@ class GenerationServer:
                 e.seq.first_token_ms = now
                 self.stats.ttft_count += 1
                 self.stats.ttft_ms_sum += now - e.seq.started_ms
+                self._metrics.observe_first_token(now - e.seq.started_ms)
         await write_progress(redis, self._keys, self._model, [e.seq for e in emitted], now_ms())
         done = [e.seq for e in emitted if e.seq.finish_reason is not None]
         for seq in done:
@@ -338,6 +342,7 @@ class GenerationServer:
         if seq.first_token_ms is not None and len(seq.generated) > 1:
             self.stats.tpot_count += 1
             self.stats.tpot_ms_sum += (now - seq.first_token_ms) / (len(seq.generated) - 1)
+            self._metrics.observe_finished((now - seq.first_token_ms) / (len(seq.generated) - 1))
         log.info("sequence finished", extra={"request_id": seq.request_id, "finish_reason": seq.finish_reason,
                                              "completion_tokens": len(seq.generated), "chunks": seq.chunk})
 
