@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -111,3 +113,37 @@ async def test_oom_inside_a_step_runs_the_sequences_again_in_fewer_rows(stack: S
     generation = json.loads(str(worker["generation"]))
     assert worker["oom_events"] >= 2  # the long prompt's, and at least one decode step of too many rows
     assert generation["failed"] == 1 and generation["finished"] == 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_gateway_shutdown_ends_an_open_stream_with_an_error_event(stack: Stack, tmp_path: Path) -> None:
+    """1. A gateway process with shutdown_delay_s 1 streams a long generation (the synthetic
+    model, 20 ms a step, 1000 tokens) to a real HTTP client.
+    2. After a few chunks the gateway gets SIGTERM.
+    Result: the stream's last event is an error in OpenAI's shape (code unavailable), sent after
+    the shutdown delay, then the stream ends (no cut connection) and the gateway exits 0."""
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "
+                                          "params = { step_ms = 20.0 }"))
+    common = {"models_file": str(models), "served_models": "simlm"}
+    stack.start_gateway(shutdown_delay_s=1.0, **common)
+    stack.start_worker(model="simlm", device="sim", sim_memory_bytes=256 * MIB, **common)
+    await stack.wait_ready()
+    body = {"model": "simlm", "prompt": "hello there", "max_tokens": 1000, "temperature": 0, "stream": True}
+    events: list[dict[str, object]] = []
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 5:
+                    stack.gateway.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+            ended = time.monotonic()
+    error = events[-1]["error"]
+    assert isinstance(error, dict) and error["code"] == "unavailable" and error["type"] == "server_error", error
+    assert "request_id" in error and "message" in error
+    assert ended - signalled >= 1.0  # served on for the shutdown delay first
+    assert all("choices" in e for e in events[:-1]) and len(events) > 5
+    assert stack.gateway.wait(timeout=60) == 0
