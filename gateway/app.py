@@ -142,6 +142,7 @@ async def drain_requests(app: FastAPI) -> None:
     health: Health = app.state.health
     listener: ReplyListener = app.state.listener
     health.shutting_down = health.admission_closed = True
+    await chat.end_open_streams(app, app.state.settings.shutdown_grace_s)
     loop = asyncio.get_running_loop()
     until = loop.time() + app.state.settings.shutdown_grace_s
     while listener.waiting and loop.time() < until:

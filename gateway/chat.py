@@ -14,12 +14,13 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
 from vramguard.gateway.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.disconnect import unless_disconnected
 from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of
 from vramguard.gateway.prompt_tokens import PromptTokens
@@ -27,7 +28,7 @@ from vramguard.gateway.render import FastJSONResponse
 from vramguard.gateway.replies import ReplyStream
 from vramguard.shared.errors import DeadlineExceededError, UnavailableError, VramguardError, error_from_code
 from vramguard.shared.models import MAX_CHARS_PER_TOKEN
-from vramguard.shared.protocol import RequestId
+from vramguard.shared.protocol import ReplyMessage, RequestId
 
 CHAT_PATH = "/v1/chat/completions"
 TEXT_PATH = "/v1/completions"
@@ -80,7 +81,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
             return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
-            text, last = await _collect(stream, deadline)
+            text, last = await unless_disconnected(request, _collect(stream, deadline))
         except BaseException:
             await dispatcher.close_stream(body.model, request_id, cancel=True)
             raise
@@ -157,6 +158,7 @@ async def _events(request: Request, stream: ReplyStream, view: _View, deadline: 
     error) stops the worker's sequence through its cancel key."""
     dispatcher = dispatcher_of(request)
     finished = False
+    open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
     try:
         yield _sse(view.delta("", None, first=True))
         async for chunk in _chunks(stream, deadline):
@@ -169,10 +171,33 @@ async def _events(request: Request, stream: ReplyStream, view: _View, deadline: 
         yield _sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code,
                               "request_id": view.request_id}})
     finally:
+        open_streams(request.app).pop(view.request_id, None)
         task = asyncio.get_running_loop().create_task(
             dispatcher.close_stream(view.model, view.request_id, cancel=not finished))
         _background.add(task)
         task.add_done_callback(_background.discard)
+
+
+def open_streams(app: Any) -> dict[RequestId, ReplyStream]:
+    """The SSE streams this gateway is sending now, by request id (on app.state)."""
+    streams: dict[RequestId, ReplyStream] | None = getattr(app.state, "open_sse_streams", None)
+    if streams is None:
+        streams = app.state.open_sse_streams = {}
+    return streams
+
+
+async def end_open_streams(app: Any, timeout_s: float) -> None:
+    """A gateway shutting down (after its shutdown delay): each open SSE stream ends with an
+    error event in OpenAI's shape (`unavailable`) instead of a cut connection, and its sequence is
+    cancelled; waits up to `timeout_s` for the streams to send it."""
+    streams = open_streams(app)
+    for request_id, stream in list(streams.items()):
+        stream.put(ReplyMessage.failure(request_id, UnavailableError.code,
+                                        "the gateway is shutting down; retry the request"))
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while streams and loop.time() < until:
+        await asyncio.sleep(0.05)
 
 
 def _sse(data: dict[str, object]) -> bytes:

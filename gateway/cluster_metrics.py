@@ -142,11 +142,7 @@ GENERATION_SERIES = (
     ("generation_finished", "counter", "Sequences that finished (stop or length).", "finished", 1.0),
     ("generation_cancelled", "counter", "Sequences stopped because their client left.", "cancelled", 1.0),
     ("generation_resumed", "counter", "Sequences resumed from a dead worker's progress.", "resumed", 1.0),
-    ("time_to_first_token_seconds_sum", "counter", "Admission to first chunk, summed.", "ttft_ms_sum", 1e-3),
-    ("time_to_first_token_count", "counter", "Sequences with a first token.", "ttft_count", 1.0),
-    ("time_per_output_token_seconds_sum", "counter", "Mean time per token after the first, summed over "
-     "finished sequences.", "tpot_ms_sum", 1e-3),
-    ("time_per_output_token_count", "counter", "Finished sequences of more than one token.", "tpot_count", 1.0),
+    # Time to first token and per output token are histograms: the worker's heartbeat histograms.
 )
 
 

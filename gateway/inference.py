@@ -13,8 +13,9 @@ from fastapi import Request
 from pydantic import JsonValue
 
 from vramguard.gateway.bodycost import JsonCounter
+from vramguard.gateway.disconnect import unless_disconnected
 from vramguard.gateway.dispatch import Dispatcher
-from vramguard.gateway.edge import check_parameters
+from vramguard.gateway.edge import ClientGoneError, check_parameters
 from vramguard.gateway.metrics import RequestRecord
 from vramguard.gateway.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
 from vramguard.shared.errors import InvalidInputError
@@ -93,9 +94,14 @@ async def submit(
         prepared = list(validate_token_inputs(spec, _json(inputs), truncate=truncate))
     else:
         prepared = validate_inputs(spec, _json(inputs), truncate=truncate)
-    _, reply = await dispatcher_of(request).submit(
-        model, list(prepared), dict(parameters), timeout_ms, request_id=RequestId(str(record.request_id))
-    )
+    dispatcher, request_id = dispatcher_of(request), RequestId(str(record.request_id))
+    try:
+        _, reply = await unless_disconnected(
+            request, dispatcher.submit(model, list(prepared), dict(parameters), timeout_ms, request_id=request_id))
+    except ClientGoneError:
+        # Its worker acks it without computing it if its batch has not run yet (worker/serve.py).
+        await dispatcher.close_stream(model, request_id, cancel=True)
+        raise
     record.reply = reply
     return reply
 

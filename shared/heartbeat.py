@@ -50,6 +50,7 @@ class WorkerBeat:
     items: int = 0
     errors: int = 0
     expired: int = 0
+    cancelled: int = 0
     last_batch_size: int = 0
     max_batch_seen: int = 0
     queue_delay_ms_sum: float = 0.0  # summed over requests: mean = queue_delay_ms_sum / requests

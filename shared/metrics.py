@@ -45,16 +45,25 @@ WORKER_HEALTHY = PREFIX + "worker_healthy"
 BATCH_SIZE = PREFIX + "batch_size"  # items per batch
 QUEUE_DELAY = PREFIX + "queue_delay_seconds"  # enqueue to batch start, per request
 FORWARD_DURATION = PREFIX + "forward_duration_seconds"  # run_batch of one batch
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # a sequence's admission to its first chunk
+TIME_PER_OUTPUT_TOKEN = PREFIX + "time_per_output_token_seconds"  # a finished sequence's mean after its first
 
 REQUEST_DURATION_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 QUEUE_DELAY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FORWARD_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# A first token waits for a prefill behind running steps (tens of ms on a GPU, seconds on a busy
+# CPU); a later token is one decode step (ms on a GPU, 50-200 ms for smollm2 on one CPU thread).
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TPOT_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
 
 HISTOGRAMS = {  # short name in the heartbeat -> (metric name, help)
     "batch_size": (BATCH_SIZE, "Items per batch formed by the worker."),
     "queue_delay_seconds": (QUEUE_DELAY, "Time from enqueue to batch start, per request."),
     "forward_duration_seconds": (FORWARD_DURATION, "Duration of one batch's forward passes (run_batch)."),
+    "time_to_first_token_seconds": (TIME_TO_FIRST_TOKEN, "Time from a sequence's admission to its first token."),
+    "time_per_output_token_seconds": (TIME_PER_OUTPUT_TOKEN,
+                                      "Mean time per output token after the first, per finished sequence."),
 }
 
 
@@ -85,6 +94,8 @@ WORKER_FIELDS: tuple[FieldMetric, ...] = (
     FieldMetric("items", PREFIX + "worker_items", "counter", "Items (inputs) served."),
     FieldMetric("errors", PREFIX + "worker_errors", "counter", "Requests answered with an error."),
     FieldMetric("expired", PREFIX + "worker_expired", "counter", "Requests whose deadline passed while queued."),
+    FieldMetric("cancelled", PREFIX + "worker_cancelled", "counter",
+                "Requests whose client left before their batch ran (acked, not computed)."),
     FieldMetric("last_batch_size", PREFIX + "worker_last_batch_size", "gauge", "Items in the last batch."),
     FieldMetric("items_per_s", PREFIX + "worker_items_per_second", "gauge", "Items served per second, last minute."),
     FieldMetric("mean_batch_size_1m", PREFIX + "worker_mean_batch_size", "gauge", "Mean items per batch, last minute."),

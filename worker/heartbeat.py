@@ -36,6 +36,7 @@ class WorkerStats:
     last_batch_size: int = 0
     max_batch_seen: int = 0
     expired: int = 0
+    cancelled: int = 0  # requests whose client left before their batch ran: acked, never computed
     queue_delay_ms_sum: float = 0.0  # summed over requests served: mean = queue_delay_ms_sum / requests
 
     def record_batch(self, items: int, requests: int, forwards: int, errors: int, queue_delay_ms: float = 0.0) -> None:

@@ -29,7 +29,8 @@ class WorkerMetrics:
     """Observations of one worker process. Call `observe_batch` after each batch and
     `heartbeat_fields` at each heartbeat (both from the event loop)."""
 
-    def __init__(self, device: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, device: str, clock: Callable[[], float] = time.monotonic, *, generates: bool = False) -> None:
+        """`generates`: a generative model's worker also keeps the token latency histograms."""
         self._registry = CollectorRegistry()
         self._batch_size = Histogram("batch_size", "items per batch", buckets=m.BATCH_SIZE_BUCKETS,
                                      registry=self._registry)
@@ -37,6 +38,13 @@ class WorkerMetrics:
                                       buckets=m.QUEUE_DELAY_BUCKETS_S, registry=self._registry)
         self._forward = Histogram("forward_duration_seconds", "run_batch duration",
                                   buckets=m.FORWARD_DURATION_BUCKETS_S, registry=self._registry)
+        self._ttft: Histogram | None = None
+        self._tpot: Histogram | None = None
+        if generates:
+            self._ttft = Histogram("time_to_first_token_seconds", "admission to first token",
+                                   buckets=m.TTFT_BUCKETS_S, registry=self._registry)
+            self._tpot = Histogram("time_per_output_token_seconds", "mean time per token after the first",
+                                   buckets=m.TPOT_BUCKETS_S, registry=self._registry)
         self._clock = clock
         self._window: deque[tuple[float, int, int]] = deque()  # (monotonic s, items, batches) per beat
         self._gpu = GpuUtilisation(device)
@@ -50,6 +58,16 @@ class WorkerMetrics:
             self._queue_delay.observe(m.ms_to_s(max(0.0, delay_ms)))
         if duration_ms is not None:
             self._forward.observe(m.ms_to_s(duration_ms))
+
+    def observe_first_token(self, ttft_ms: float) -> None:
+        """A sequence's time to first token (ms, admission to its first chunk)."""
+        if self._ttft is not None:
+            self._ttft.observe(m.ms_to_s(max(0.0, ttft_ms)))
+
+    def observe_finished(self, tpot_ms: float) -> None:
+        """A finished sequence's mean time per output token after the first (ms)."""
+        if self._tpot is not None:
+            self._tpot.observe(m.ms_to_s(max(0.0, tpot_ms)))
 
     def snapshots(self) -> dict[str, m.HistogramSnapshot]:
         """The histograms now, keyed by their short names in shared.metrics.HISTOGRAMS."""

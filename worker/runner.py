@@ -90,7 +90,8 @@ class Worker:
         self.force_exit = False
         self._max_batches = max_batches
         self._inflight: set[asyncio.Task[None]] = set()
-        self.metrics = WorkerMetrics(backend.device)
+        generates = bool(settings.spec_for(settings.model).options.get("generates"))
+        self.metrics = WorkerMetrics(backend.device, generates=generates)
         self.hang = HangGuard(self._hung)
         self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend

@@ -109,8 +109,9 @@ class BatchServer:
 
     async def _serve_live(self, redis: aioredis.Redis, live: list[_Member], batch_start_ms: int) -> bool:
         budget_cost = self.budget.max_batch_cost if self.budget is not None else None
-        slice_costs = [parts.costs[s.start : s.stop] for s, parts in live]
-        for group in group_by_cost(slice_costs, self._config.max_batch_size, budget_cost,
+        live = await self._drop_cancelled(redis, live)
+        for group in group_by_cost([parts.costs[s.start : s.stop] for s, parts in live], self._config.max_batch_size,
+                                   budget_cost,
                                    pad_factor=self._config.pad_factor):
             # Earlier groups (or batches) may have outlived a deadline.
             members = await self._drop_expired(redis, [live[g] for g in group])
@@ -174,6 +175,30 @@ class BatchServer:
         replies = [self._failure(part.entry, DeadlineExceededError.code, "deadline passed before its group ran")
                    for part, _parts in expired]
         await self._publish(redis, replies, [part.entry_id for part, _parts in expired], [])
+        return [m for m in members if not m[0].held.closed]
+
+    async def _drop_cancelled(self, redis: aioredis.Redis, members: list[_Member]) -> list[_Member]:
+        """Ack, without computing or answering, the members whose client left (the gateway's cancel
+        key, gateway/inference.py); return the others. One EXISTS-per-key round trip for the batch.
+        A Redis error here only costs the check: the batch is computed."""
+        asked = [m for m in members if m[0].message is not None]
+        if not asked:
+            return members
+        try:
+            flags = await redis.mget([self._keys.cancel(self._settings.model, m[0].message.request_id)  # type: ignore[union-attr]
+                                      for m in asked])
+        except RedisError as exc:
+            log.warning("cancel marks not read; the batch is computed", extra={"error": str(exc)})
+            return members
+        gone = [m for m, flag in zip(asked, flags, strict=True) if flag is not None]
+        if not gone:
+            return members
+        self._stats.cancelled += len(gone)
+        for part, _parts in gone:
+            part.held.closed = True
+            self._parts.pop(part.entry_id, None)
+        await self._publish(redis, [], [part.entry_id for part, _parts in gone], [])
+        log.info("requests cancelled before their batch ran", extra={"requests": len(gone)})
         return [m for m in members if not m[0].held.closed]
 
     def _fits_alone(self, entry_costs: list[int]) -> bool:

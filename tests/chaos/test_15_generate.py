@@ -257,6 +257,25 @@ async def test_client_leaving_after_3_tokens_stops_its_sequence(gen: GenStack) -
     await wait_until(counted, 30, interval_s=0.5)
 
 
+async def test_client_leaving_a_whole_completion_stops_its_sequence(gen: GenStack) -> None:
+    """A non-streamed completion of 200 tokens whose client closes the connection once its
+    sequence runs: the sequence stops within a few steps and is counted cancelled, not finished."""
+    await wait_until(lambda: gen.generation().get("running") == 0, 60)
+    before = gen.generation()
+    body = {"model": "smollm2", "prompt": STORY, "max_tokens": 200, "temperature": 0}
+    async with httpx.AsyncClient(base_url=gen.url, timeout=120) as client:
+        request = asyncio.create_task(client.post("/v1/completions", json=body))
+        await wait_until(lambda: int(gen.generation().get("tokens_generated", 0)) > int(before["tokens_generated"]), 60)
+        request.cancel()  # httpx drops the connection of a request cancelled before its answer
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    at_cancel = int(gen.generation()["tokens_generated"])
+    await wait_until(lambda: gen.generation().get("cancelled", 0) == before["cancelled"] + 1, 60)
+    after = gen.generation()
+    assert after["running"] == 0 and after["kv_bytes_used"] == 0 and after["finished"] == before["finished"]
+    assert int(after["tokens_generated"]) - at_cancel <= 8  # a few steps (and one heartbeat's lag) past the cancel
+
+
 def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
     workers = httpx.get(gen.url + "/v1/models/smollm2").json()["workers"]
     generation = json.loads(next(iter(workers.values()))["generation"])
@@ -265,6 +284,22 @@ def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
     assert plan["bytes_per_token"] == plan["measured_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
     assert plan["tokens_fit"] > 0 and plan["context_window"] == 2048
     assert {"running", "waiting", "kv_bytes_used", "kv_bytes_reserved", "cancelled", "resumed"} <= set(generation)
+
+
+async def test_token_latencies_are_histograms_on_metrics(gen: GenStack) -> None:
+    """After the generations above: /metrics shows time to first token and time per output token
+    as Prometheus histograms (buckets for token latencies, a count per sequence)."""
+    httpx.post(gen.url + "/v1/completions", json={"model": "smollm2", "prompt": "Hi", "max_tokens": 3,
+                                                    "temperature": 0}, timeout=120).raise_for_status()
+
+    def shown() -> bool:  # /metrics reads the heartbeats the gateway last fetched: allow it a refresh
+        text = httpx.get(gen.url + "/metrics").text
+        counts = {name: re.findall(rf'^vramguard_{name}_bucket{{[^}}]*le="\+Inf"[^}}]*}} (\S+)$', text, re.M)
+                  for name in ("time_to_first_token_seconds", "time_per_output_token_seconds")}
+        return all(values and float(values[0]) >= 1 for values in counts.values()) and \
+            'vramguard_time_per_output_token_seconds_bucket{' in text and 'le="0.05"' in text
+
+    await wait_until(shown, 30, interval_s=0.5)
 
 
 def test_deadline_cuts_a_stream_with_an_error_event(gen: GenStack) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import time
 from pathlib import Path
 
 import httpx
@@ -64,3 +66,84 @@ async def test_64_long_generations_on_a_small_simulated_device(stack: Stack, tmp
     assert 0 < generation["kv_bytes_peak"] <= plan["kv_budget_bytes"]
     assert plan["bytes_per_token"] == plan["measured_bytes_per_token"] == 64 * 1024
     assert plan["tokens_fit"] // 160 < 64  # the plan, not max_batch_size, bounded the running sequences
+
+
+OOM_MODELS_FILE = MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "
+                                     "params = { step_token_kib = 4096.0, step_ms = 20.0 }")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_oom_inside_a_step_runs_the_sequences_again_in_fewer_rows(stack: Stack, tmp_path: Path) -> None:
+    """1. One worker on a 256 MiB simulated device with the planner off (so the KV plan leaves no
+    room for a step's activations): a step costs 4 MiB + 4 MiB per token it computes, so a decode
+    step of about 20 rows or more runs out of memory, and so does the 64-token prefill of a long prompt.
+    2. A 64-word prompt alone, then 32 concurrent 2-word prompts of 40 tokens, greedy.
+    Result: the long prompt gets 413 input_too_large (it cannot run alone); the 32 all get 200 with
+    exactly the uncut greedy text (no token lost or repeated by the retried steps); the worker
+    counted OOM events and no failed sequence beyond the long one; the cache is empty at the end."""
+    models = tmp_path / "models.toml"
+    models.write_text(OOM_MODELS_FILE)
+    common = {"models_file": str(models), "served_models": "simlm"}
+    stack.start_gateway(**common)
+    stack.start_worker(model="simlm", device="sim", sim_memory_bytes=256 * MIB, memory_planner=False, **common)
+    await stack.wait_ready()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=240) as client:
+        alone = await client.post("/v1/completions", json={
+            "model": "simlm", "prompt": " ".join(["word"] * 64), "max_tokens": 4, "temperature": 0})
+        assert alone.status_code == 413, alone.text
+        assert alone.json()["error"]["code"] == "input_too_large"
+        responses = await asyncio.gather(*(client.post("/v1/completions", json={
+            "model": "simlm", "prompt": "a " + "b" * (i + 1), "max_tokens": 40, "temperature": 0}) for i in range(32)))
+        assert [r.status_code for r in responses] == [200] * 32, {r.text for r in responses if r.status_code != 200}
+        for i, r in enumerate(responses):  # the synthetic model answers token t + 1 after token t
+            last = 2 + i  # the prompt's last token: 1 + its word's length
+            assert r.json()["choices"][0]["text"] == "".join(f" w{last + k}" for k in range(1, 41)), i
+
+        async def beat() -> dict[str, object]:
+            workers = (await client.get("/v1/models/simlm")).json()["workers"]
+            return next(iter(workers.values()))  # type: ignore[no-any-return]
+
+        async def all_counted() -> bool:
+            generation = json.loads(str((await beat())["generation"]))
+            return generation["finished"] >= 32 and generation["kv_bytes_used"] == 0
+
+        await wait_until(all_counted, 20)
+        worker = await beat()
+    generation = json.loads(str(worker["generation"]))
+    assert worker["oom_events"] >= 2  # the long prompt's, and at least one decode step of too many rows
+    assert generation["failed"] == 1 and generation["finished"] == 32
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_gateway_shutdown_ends_an_open_stream_with_an_error_event(stack: Stack, tmp_path: Path) -> None:
+    """1. A gateway process with shutdown_delay_s 1 streams a long generation (the synthetic
+    model, 20 ms a step, 1000 tokens) to a real HTTP client.
+    2. After a few chunks the gateway gets SIGTERM.
+    Result: the stream's last event is an error in OpenAI's shape (code unavailable), sent after
+    the shutdown delay, then the stream ends (no cut connection) and the gateway exits 0."""
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "
+                                          "params = { step_ms = 20.0 }"))
+    common = {"models_file": str(models), "served_models": "simlm"}
+    stack.start_gateway(shutdown_delay_s=1.0, **common)
+    stack.start_worker(model="simlm", device="sim", sim_memory_bytes=256 * MIB, **common)
+    await stack.wait_ready()
+    body = {"model": "simlm", "prompt": "hello there", "max_tokens": 1000, "temperature": 0, "stream": True}
+    events: list[dict[str, object]] = []
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 5:
+                    stack.gateway.send_signal(signal.SIGTERM)
+                    signalled = time.monotonic()
+            ended = time.monotonic()
+    error = events[-1]["error"]
+    assert isinstance(error, dict) and error["code"] == "unavailable" and error["type"] == "server_error", error
+    assert "request_id" in error and "message" in error
+    assert ended - signalled >= 1.0  # served on for the shutdown delay first
+    assert all("choices" in e for e in events[:-1]) and len(events) > 5
+    assert stack.gateway.wait(timeout=60) == 0

@@ -17,13 +17,25 @@ def test_histograms_survive_the_heartbeat_round_trip() -> None:
     wm.observe_batch(3, [1.0, 20.0, 2500.0], 12.0)  # ms in, seconds out
     wm.observe_batch(1, [4.0], 2.0)
     decoded = m.decode_histograms(m.encode_histograms(wm.snapshots()))
-    assert set(decoded) == set(m.HISTOGRAMS)
+    assert set(decoded) == set(m.HISTOGRAMS) - {"time_to_first_token_seconds", "time_per_output_token_seconds"}
     size = decoded["batch_size"]
     assert size.count == 2 and size.sum == 4
     assert dict(size.buckets)[1.0] == 1 and dict(size.buckets)[4.0] == 2 and size.buckets[-1][0] == math.inf
     delay = decoded["queue_delay_seconds"]
     assert delay.count == 4 and delay.sum == pytest.approx(2.525)
     assert decoded["forward_duration_seconds"].sum == pytest.approx(0.014)
+    assert "time_to_first_token_seconds" not in decoded  # a batch model's worker keeps no token latencies
+
+
+def test_a_generative_workers_token_latencies_are_histograms() -> None:
+    wm = WorkerMetrics("cpu", generates=True)
+    wm.observe_first_token(30.0)  # ms in, seconds out
+    wm.observe_first_token(1500.0)
+    wm.observe_finished(40.0)
+    decoded = m.decode_histograms(m.encode_histograms(wm.snapshots()))
+    ttft, tpot = decoded["time_to_first_token_seconds"], decoded["time_per_output_token_seconds"]
+    assert ttft.count == 2 and ttft.sum == pytest.approx(1.53) and dict(ttft.buckets)[0.05] == 1
+    assert tpot.count == 1 and dict(tpot.buckets)[0.035] == 0 and dict(tpot.buckets)[0.05] == 1
 
 
 def test_no_forward_means_no_forward_duration_sample() -> None:

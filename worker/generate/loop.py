@@ -37,7 +37,8 @@ class GenerationLoop:
         max_running = min(worker.config.max_batch_size, budget.plan.max_batch_size)
         plan = await worker.threads.run(build_kv_plan, worker.backend, budget, max_running)
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
-        server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, threads=worker.threads)
+        server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, threads=worker.threads,
+                                  on_oom=budget.on_oom, metrics=worker.metrics)
         loop = cls(worker, server)
         await loop.publish_tokenizer(redis)
         return loop

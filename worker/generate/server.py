@@ -27,13 +27,16 @@ from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
 from vramguard.worker.batcher import Entry, decode_entry
+from vramguard.worker.execute import is_oom
 from vramguard.worker.generate.engine import Emitted, Engine
 from vramguard.worker.generate.kvplan import KVPlan, plan_kv
+from vramguard.worker.generate.oom import RowCap, step_marks, undo_step
 from vramguard.worker.generate.progress import cancelled as cancel_flags
 from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.plan import Fit
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
@@ -101,7 +104,8 @@ class GenerationServer:
     """Continuous batching for `settings.model` as consumer `worker_id`, inside `plan`."""
 
     def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan,
-                 threads: ModelThreads) -> None:
+                 threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self.worker_id = worker_id
@@ -114,6 +118,9 @@ class GenerationServer:
         self._pending: deque[Sequence] = deque()  # read, not yet admitted (a resumed one waits here too)
         self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
         self.stats = GenerationStats()
+        self._rows = RowCap(plan.max_running)  # lowered by an OOM inside a step (oom.py)
+        self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
+        self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
 
     # --- what the runner asks -------------------------------------------------------------
 
@@ -140,7 +147,7 @@ class GenerationServer:
         """How many entries to read now: none while one waits for cache room (it stays in the stream)."""
         if self._pending:
             return 0
-        return max(0, self.plan.max_running - len(self._engine.running) - len(self._engine.joining))
+        return max(0, self._rows.value - len(self._engine.running) - len(self._engine.joining))
 
     async def read(self, blocking: aioredis.Redis, block_ms: int | None) -> list[Entry]:
         """XREADGROUP up to room() new entries (block_ms None: do not block). Raises RedisError."""
@@ -221,7 +228,7 @@ class GenerationServer:
         while self._pending:
             seq = self._pending[0]
             reserved = [s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining))]
-            if not self.plan.admits(reserved, seq.reserved_tokens):
+            if len(reserved) >= self._rows.value or not self.plan.admits(reserved, seq.reserved_tokens):
                 break
             self._pending.popleft()
             seq.started_ms = monotonic_ms()
@@ -239,15 +246,50 @@ class GenerationServer:
         if any(s.resumed for s in self._engine.running):  # a thread hop only when one is owed
             await self._publish(redis, await self._threads.run(self._resend))
         if self._engine.running or self._engine.joining:
+            marks = step_marks(self._engine)
             try:
-                emitted = await self._threads.run(self._compute)
+                emitted = await self._threads.run(self._compute_or_oom)
             except Exception as exc:  # noqa: BLE001 - the model failed: its sequences get 500, the worker goes on
                 log.exception("generation step failed", extra={"error": str(exc)})
                 await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
                 return
+            if emitted is None:
+                await self._after_oom(redis, marks)
+                return
         else:
             emitted = []
         await self._publish(redis, emitted)
+
+    def _compute_or_oom(self) -> list[Emitted] | None:
+        """A step, or None when it ran out of memory (the exception, and the tensors its traceback
+        holds, do not outlive the except block: PyTorch FAQ, as in worker/execute.py)."""
+        try:
+            emitted = self._compute()
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            return None
+        self._rows.on_step()
+        return emitted
+
+    async def _after_oom(self, redis: aioredis.Redis, marks: list[tuple[Sequence, int]]) -> None:
+        """Undo the step, free the cache, halve the row cap and queue its sequences to run again in
+        fewer rows; one that ran out of memory alone ends with its own error (413), as in the batch path."""
+        seqs = await self._threads.run(undo_step, self._engine, marks)
+        self._rows.on_oom(len(seqs))
+        if self._on_oom is not None:
+            await self._threads.run(self._on_oom, len(seqs))
+        log.warning("out of memory in a generation step; cache freed, sequences run again in fewer rows",
+                    extra={"sequences": len(seqs), "max_rows": self._rows.value})
+        if len(seqs) > 1:
+            self._pending.extendleft(reversed(seqs))
+            return
+        self.stats.failed += 1
+        seq = seqs[0]
+        reply = ReplyMessage.failure(seq.request_id, InputTooLargeError.code,
+                                     f"the sequence ({len(seq.context_ids)} tokens) does not fit the worker's "
+                                     "memory budget even alone", worker_id=self.worker_id)
+        await self._finish(redis, [Outgoing(seq.reply_to, reply)], [seq.entry_id], [], progress_of=[seq])
 
     def _compute(self) -> list[Emitted]:
         advanced = self._engine.step()
@@ -286,6 +328,7 @@ class GenerationServer:
                 e.seq.first_token_ms = now
                 self.stats.ttft_count += 1
                 self.stats.ttft_ms_sum += now - e.seq.started_ms
+                self._metrics.observe_first_token(now - e.seq.started_ms)
         await write_progress(redis, self._keys, self._model, [e.seq for e in emitted], now_ms())
         done = [e.seq for e in emitted if e.seq.finish_reason is not None]
         for seq in done:
@@ -299,6 +342,7 @@ class GenerationServer:
         if seq.first_token_ms is not None and len(seq.generated) > 1:
             self.stats.tpot_count += 1
             self.stats.tpot_ms_sum += (now - seq.first_token_ms) / (len(seq.generated) - 1)
+            self._metrics.observe_finished((now - seq.first_token_ms) / (len(seq.generated) - 1))
         log.info("sequence finished", extra={"request_id": seq.request_id, "finish_reason": seq.finish_reason,
                                              "completion_tokens": len(seq.generated), "chunks": seq.chunk})
 

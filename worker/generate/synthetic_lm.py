@@ -75,7 +75,8 @@ class SimKVBatch:
     def _resize(self) -> None:
         """Hold rows x width tokens; a change copies layer by layer (one layer's new copy at a time)."""
         wanted = self.rows * self.width * self.bytes_per_token
-        if self.sim is not None and wanted != self._held:
+        # Also when nothing is wanted: a copy an OOM cut short may hold layers while _held is stale.
+        if self.sim is not None and (wanted != self._held or not wanted):
             for i, old in enumerate(self._layers):  # each layer's new tensor is made before its old one goes
                 self._layers[i] = self.sim.allocate(wanted // self.layers) if wanted else None
                 if old is not None:
