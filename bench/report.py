@@ -15,6 +15,7 @@ from pathlib import Path
 import matplotlib
 import numpy as np
 
+from bench import generate_figures
 from bench.figures import COST_BASELINE, Figures, PeerFigures, spread, summary_figures, target_rows
 
 matplotlib.use("Agg")
@@ -126,7 +127,7 @@ def write_report(out_dir: Path) -> Path:
     plot(groups, fig.ceiling_items_s, fig.peer, out_dir / "plot.png")
     parts = [_header(groups, out_dir, results_md), _targets(fig), _limits(groups, fig), _strategies(groups, fig),
              _latency(groups, fig), _peer(groups, fig), _scale(groups, fig), _image(groups), _cost(groups, fig),
-             _gateways(groups, fig), _fairness(groups)]
+             _gateways(groups, fig), _fairness(groups), generate_figures.section(groups.get("generate", []))]
     if ANALYSIS_MD.exists():
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")

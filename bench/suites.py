@@ -14,6 +14,8 @@ load point) tagged with `suite` and `config`:
     gateways    1 and 2 gateway processes on one port, instant workers, alternating
     fairness    1-input p99 alone and beside 4 clients of 256-input requests, synthetic fixed-time
                 forward (bench/fairness.py)
+    generate    SmolLM2 text generation: tokens/s and time to first token at concurrency 1, 8, 32 for
+                the in-process engine, vramguard, a naive endpoint and LitServe (bench/generate.py)
 """
 
 from __future__ import annotations
@@ -342,5 +344,13 @@ def fairness(cfg: BenchConfig) -> Records:
     yield from fairness_suite(cfg)
 
 
+def generate(cfg: BenchConfig) -> Records:
+    """Text generation: tokens/s and time to first token, in-process vs vramguard vs naive vs LitServe."""
+    from bench.generate import generate as generate_suite
+
+    yield from generate_suite(cfg)
+
+
 SUITES = {"ceiling": ceiling, "physical": physical, "strategies": strategies, "latency": latency, "peer": peer,
-          "scale": scale, "image": image, "cost": cost, "gateways": gateways, "fairness": fairness}
+          "scale": scale, "image": image, "cost": cost, "gateways": gateways, "fairness": fairness,
+          "generate": generate}

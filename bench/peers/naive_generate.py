@@ -30,7 +30,7 @@ async def completions(body: dict[str, object]) -> dict[str, object]:
     ids = backend.prompt_ids(str(body["prompt"]), {})
     with torch.inference_mode():
         out = backend._model.generate(torch.tensor([ids]), max_new_tokens=int(body["max_tokens"]),  # type: ignore[call-overload]
-                                      do_sample=False, min_new_tokens=int(body["max_tokens"]))  # type: ignore[call-overload]
+                                      do_sample=False)  # stops at the end token, as the worker does
     tokens = out[0, len(ids):].tolist()
     return {"choices": [{"text": backend.detokenize(tokens)}], "usage": {"completion_tokens": len(tokens)}}
 
