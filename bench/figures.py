@@ -10,6 +10,7 @@ import numpy as np
 
 Record = dict[str, object]
 PEER_CONCURRENCY = 64
+GATEWAY_CONCURRENCY = 256
 
 
 @dataclass(frozen=True)
@@ -44,10 +45,20 @@ class CostFigures:
 
     ratios: list[float]  # vramguard (default settings) / bare endpoint, one per round
     us_by_config: dict[str, dict[str, float]]  # config -> role -> median µs per request (+ "total", "client")
+    # (ours, other) -> per-round ratios, for echoed text and EMBEDDING_DIM-float replies
+    ratios_by_pair: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    commands: dict[str, list[float]] = field(default_factory=dict)  # config -> Redis commands per request, per round
 
 
 COST_OURS = "vramguard (instant worker)"
-COST_BASELINE = "bare uvicorn endpoint"
+COST_BASELINE = "FastAPI echo endpoint"
+COST_PEER = "LitServe (instant model)"
+EMBEDDING_DIM = 384  # minilm's reply: this many float32 per input
+
+
+def wide(config: str, dim: int) -> str:
+    """The cost suite's config name of `config` answering `dim` floats per input (0: echoed text)."""
+    return f"{config}, {dim}-float replies" if dim else config
 
 
 def paired(records: list[Record], *configs: str) -> list[dict[str, Record]]:
@@ -69,18 +80,30 @@ def latency_figures(records: list[Record]) -> LatencyFigures | None:
                           ours_p50_ms=float(np.median(ours)), naive_p50_ms=float(np.median(naive)))
 
 
+def cpu_ratios(records: list[Record], ours: str, base: str) -> list[float]:
+    """Server CPU per request of `ours` over `base`, one per round holding both."""
+    return [float(p[ours]["server_cpu_us_per_request"])  # type: ignore[arg-type]
+            / max(float(p[base]["server_cpu_us_per_request"]), 1e-9) for p in paired(records, ours, base)]  # type: ignore[arg-type]
+
+
 def cost_figures(records: list[Record]) -> CostFigures | None:
     """Pair the cost suite's records by round; None without a round holding both COST_OURS and COST_BASELINE."""
-    full = paired(records, COST_OURS, COST_BASELINE)
-    if not full:
+    ratios = cpu_ratios(records, COST_OURS, COST_BASELINE)
+    if not ratios:
         return None
-    ratios = [float(p[COST_OURS]["server_cpu_us_per_request"])  # type: ignore[arg-type]
-              / max(float(p[COST_BASELINE]["server_cpu_us_per_request"]), 1e-9) for p in full]  # type: ignore[arg-type]
+    pairs = {(wide(COST_OURS, dim), wide(other, dim)): cpu_ratios(records, wide(COST_OURS, dim), wide(other, dim))
+             for dim in (0, EMBEDDING_DIM) for other in (COST_BASELINE, COST_PEER)}
+    commands: dict[str, list[float]] = {}
+    for r in records:
+        if r.get("redis_commands_per_request"):
+            per = dict(r["redis_commands_per_request"])  # type: ignore[call-overload]
+            commands.setdefault(str(r["config"]), []).append(float(per["total"]))
     by_config: dict[str, list[Record]] = {}
     for r in records:
         by_config.setdefault(str(r["config"]), []).append(r)
     medians = {config: _cost_medians(rs) for config, rs in by_config.items()}
-    return CostFigures(ratios=ratios, us_by_config=medians)
+    return CostFigures(ratios=ratios, us_by_config=medians, ratios_by_pair={k: v for k, v in pairs.items() if v},
+                       commands=commands)
 
 
 def _cost_medians(records: list[Record]) -> dict[str, float]:
@@ -94,9 +117,11 @@ def _cost_medians(records: list[Record]) -> dict[str, float]:
 
 
 def gateway_rps(records: list[Record]) -> dict[int, list[float]]:
-    """The gateways suite's req/s by gateway count, one value per round."""
+    """The gateways suite's req/s by gateway count at concurrency 64, one value per round."""
     out: dict[int, list[float]] = {}
     for r in records:
+        if r.get("concurrency", PEER_CONCURRENCY) != PEER_CONCURRENCY:
+            continue
         out.setdefault(int(r["gateways"]), []).append(float(r["rps"]))  # type: ignore[call-overload, arg-type]
     return out
 
@@ -106,7 +131,8 @@ def machine_busy(records: list[Record]) -> float | None:
     other users' too (bench/cost.py's machine_cores_busy), else server and client alone
     (cores_busy); None when not recorded."""
     shares = [float(r.get("machine_cores_busy") or r["cores_busy"]) / float(r["cores"])  # type: ignore[arg-type]
-              for r in records if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")]
+              for r in records if r.get("gateways") == 1 and r.get("cores_busy") is not None and r.get("cores")
+              and r.get("concurrency", PEER_CONCURRENCY) == PEER_CONCURRENCY]
     return float(np.median(shares)) if shares else None
 
 
@@ -128,6 +154,8 @@ class Figures:
     cost: CostFigures | None = None
     gateways_rps: dict[int, list[float]] = field(default_factory=dict)  # gateway processes -> req/s per round
     gateways_busy: float | None = None  # share of the machine's cores busy at 1 gateway
+    gateway_256_rps: list[float] = field(default_factory=list)  # 1 gateway at GATEWAY_CONCURRENCY, per round
+    client_ceiling_256_rps: float | None = None  # the client against the trivial endpoint there
     fairness: Record | None = None  # the fairness suite's mixed point (p99 beside bulk, its bound, verdict)
 
 
@@ -183,6 +211,10 @@ def summary_figures(groups: dict[str, list[Record]]) -> Figures:
     fig.cost = cost_figures(groups.get("cost", []))
     fig.gateways_rps = gateway_rps(groups.get("gateways", []))
     fig.gateways_busy = machine_busy(groups.get("gateways", []))
+    fig.gateway_256_rps = [float(r["rps"]) for r in groups.get("gateways", [])  # type: ignore[arg-type]
+                           if r.get("concurrency") == GATEWAY_CONCURRENCY and r.get("gateways") == 1]
+    fig.client_ceiling_256_rps = next((float(r["rps"]) for r in groups.get("ceiling", [])  # type: ignore[arg-type]
+                                       if r.get("concurrency") == GATEWAY_CONCURRENCY), None)
     fig.fairness = next((r for r in groups.get("fairness", []) if "bound_ms" in r), None)
     return fig
 
@@ -252,7 +284,9 @@ def latency_rows(fig: Figures) -> list[list[object]]:
 
 
 BROKER_PRICE_MS = 2.0  # what the broker may add to the median at concurrency 1 over an in-process endpoint
-COST_TARGET = 2.0  # vramguard's serving CPU per request at most this many times a bare uvicorn endpoint's
+COST_TARGET = 2.0  # vramguard's serving CPU per request at most this many times the FastAPI echo endpoint's
+PEER_COST_TARGET = 0.35  # ... and at most this fraction of LitServe's (instant models both)
+COMMANDS_TARGET = 1.0  # Redis commands per request at concurrency 64
 SCALE_OUT_GAIN = 1.1  # 2 gateways must beat 1 by this much, unless 1 is already near the client's ceiling
 CLIENT_BOUND = 0.8  # a figure at this fraction of the client's own ceiling counts as client-limited
 
@@ -261,12 +295,7 @@ def serving_rows(fig: Figures) -> list[list[object]]:
     """Target rows of the serving cost (CPU per request) and of the gateway scale-out."""
     rows: list[list[object]] = []
     if fig.cost is not None:
-        ours, base = fig.cost.us_by_config[COST_OURS], fig.cost.us_by_config[COST_BASELINE]
-        split = ", ".join(f"{role} {ours[role]:.0f}" for role in ours if role not in ("total", "client", "rps"))
-        med = float(np.median(fig.cost.ratios))
-        rows.append([f"serving CPU per request at c=64 <= {COST_TARGET:.0f}x a bare uvicorn endpoint's",
-                     f"{med:.1f}x (min/med/max {spread(fig.cost.ratios)}); {ours['total']:.0f} µs ({split}) "
-                     f"vs {base['total']:.0f} µs", _verdict(med <= COST_TARGET)])
+        rows += cost_rows(fig.cost)
     if 1 in fig.gateways_rps and 2 in fig.gateways_rps:
         one, two = (float(np.median(fig.gateways_rps[n])) for n in (1, 2))
         gain = two / max(one, 1e-9)
@@ -281,4 +310,32 @@ def serving_rows(fig: Figures) -> list[list[object]]:
             verdict = "**not shown** (the machine was already full at 1 gateway)"
         rows.append(["2 gateway processes serve more than 1 (until the client's ceiling)",
                      f"{gain:.2f}x ({two:.0f} vs {one:.0f} req/s, medians){of_ceiling}{of_machine}", verdict])
+    if fig.gateway_256_rps:
+        rps = float(np.median(fig.gateway_256_rps))
+        limit = fig.client_ceiling_256_rps
+        of = f" = {100 * rps / limit:.0f}% of the client's own ceiling there ({limit:.0f} req/s)" if limit else ""
+        rows.append([f"1 gateway, instant workers, c={GATEWAY_CONCURRENCY}: req/s against the client's ceiling",
+                     f"{rps:.0f} req/s (min/med/max {spread(fig.gateway_256_rps)}){of}", "reported"])
+    return rows
+
+
+def cost_rows(cost: CostFigures) -> list[list[object]]:
+    """Target rows of CPU per request (against the echo endpoint and LitServe, for echoed text and
+    EMBEDDING_DIM-float replies) and of Redis commands per request."""
+    rows: list[list[object]] = []
+    for (ours, other), ratios in cost.ratios_by_pair.items():
+        peer = other.startswith(COST_PEER)
+        bound = PEER_COST_TARGET if peer else COST_TARGET
+        mine, theirs = cost.us_by_config[ours], cost.us_by_config[other]
+        split = ", ".join(f"{role} {mine[role]:.0f}" for role in mine if role not in ("total", "client", "rps"))
+        med = float(np.median(ratios))
+        reply = ours.removeprefix(COST_OURS).removeprefix(", ") or "echoed text"
+        rows.append([f"server CPU per request at c={PEER_CONCURRENCY} ({reply}) <= {bound:g}x {other.split(',')[0]}'s",
+                     f"{med:.2f}x (min/med/max {spread(ratios)}); {mine['total']:.0f} µs ({split}) "
+                     f"vs {theirs['total']:.0f} µs", _verdict(med <= bound)])
+    for config, per_round in cost.commands.items():
+        med = float(np.median(per_round))
+        rows.append([f"Redis commands per request at c={PEER_CONCURRENCY}, {config} <= {COMMANDS_TARGET:g}",
+                     f"{med:.2f} (min/med/max {spread(per_round)}, INFO commandstats deltas)",
+                     _verdict(med <= COMMANDS_TARGET)])
     return rows

@@ -308,33 +308,35 @@ def _cost(groups: dict[str, list[Record]], fig: Figures) -> str:
     records = groups.get("cost", [])
     if not records or fig.cost is None:
         return ""
-    base = {r["pair"]: float(r["server_cpu_us_per_request"]) for r in records  # type: ignore[arg-type]
-            if r["config"] == COST_BASELINE}
     rows: list[list[object]] = []
     for r in records:
         roles = dict(r["cpu_us_per_request"])  # type: ignore[call-overload]
-        ratio = float(r["server_cpu_us_per_request"]) / base[r["pair"]] if base.get(r["pair"]) else None  # type: ignore[arg-type]
+        commands = dict(r.get("redis_commands_per_request") or {})  # type: ignore[call-overload]
+        top = ", ".join(f"{k} {v}" for k, v in list(commands.items())[1:5])
         rows.append([r["pair"], r["config"], r["rps"], roles.get("gateway", roles.get("server")), roles.get("redis"),
-                     roles.get("workers"), r["server_cpu_us_per_request"], f"{ratio:.1f}x" if ratio else None,
+                     roles.get("workers"), r["server_cpu_us_per_request"], commands.get("total"), top or None,
                      r["client_cpu_us_per_request"], r["answered"]])
-    return ("## Serving cost: CPU per request by process (concurrency 64, instant workers)\n\n"
+    ratios = "".join(f"- {ours} / {other}, min / median / max over {len(v)} rounds: **{spread(v)}**\n"
+                     for (ours, other), v in fig.cost.ratios_by_pair.items())
+    return ("## Serving cost: CPU per request by process (concurrency 64, instant models)\n\n"
             "User + system CPU time of every server process (psutil) over a whole load point, divided by the "
             "requests answered in it: vramguard with one instant synthetic worker (0 ms forward, batches up to "
-            "64), the same on asyncio's own loop with redis-py's pure-Python parser (the figure before uvloop and "
-            "hiredis), and a bare ASGI app on uvicorn, measured in turn round by round. CPU time per request "
-            "moves far less with a busy machine than throughput does. The load client's own CPU is shown "
-            "beside, not in the total.\n\n"
-            f"- vramguard / bare endpoint, min / median / max over {len(fig.cost.ratios)} rounds: "
-            f"**{spread(fig.cost.ratios)}**\n\n"
+            f"64), a FastAPI endpoint that parses the same JSON and answers at once ({COST_BASELINE}, the floor), "
+            "and LitServe with an instant model (when the peer venv is built), first echoing the text, then "
+            "answering a 384-float32 row per input (minilm's reply), measured in turn round by round. Redis "
+            "commands per request are INFO commandstats deltas over the same span (commands inside scripts "
+            "counted one by one). CPU time per request moves far less with a busy machine than throughput does. "
+            "The load client's own CPU is shown beside, not in the total.\n\n" + ratios + "\n"
             + table(["round", "configuration", "req/s", "gateway (or server) µs", "Redis µs", "workers µs",
-                     "server total µs", "vs bare", "load client µs", "requests"], rows))
+                     "server total µs", "Redis cmds / req", "top commands / req", "load client µs", "requests"],
+                    rows))
 
 
 def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
     records = groups.get("gateways", [])
     if not records:
         return ""
-    rows = [[r["pair"], r["gateways"], r["rps"], r["p50_ms"], r["p99_ms"],
+    rows = [[r["pair"], r["config"], r["concurrency"], r["rps"], r["p50_ms"], r["p99_ms"],
              dict(r["cpu_us_per_request"]).get("gateway"), r["server_cpu_us_per_request"],  # type: ignore[call-overload]
              r["client_cpu_us_per_request"], _busy(r)] for r in records]
     ceiling = f" The load client's own ceiling in this run: {fig.client_ceiling_rps} req/s." \
@@ -343,7 +345,7 @@ def _gateways(groups: dict[str, list[Record]], fig: Figures) -> str:
             "1 and 2 gateway processes on one port (SO_REUSEPORT: the kernel spreads connections over them; "
             "each keeps its own reply stream), as `make up GATEWAYS=N` runs them, measured in turn round by "
             f"round.{ceiling}\n\n"
-            + table(["round", "gateways", "req/s", "p50 ms", "p99 ms", "gateway µs per request",
+            + table(["round", "gateways", "conc.", "req/s", "p50 ms", "p99 ms", "gateway µs per request",
                      "server total µs", "load client µs", "cores busy: server + client / whole machine"], rows))
 
 

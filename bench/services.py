@@ -121,6 +121,11 @@ class VramguardService:
         assert self.stack is not None
         return f"{self.stack.url}/v1/models/{self.model}/infer"
 
+    @property
+    def redis_url(self) -> str | None:
+        """The stack's Redis, whose INFO commandstats the serving-cost suite reads."""
+        return self.redis.url if self.redis is not None else None
+
     def heartbeats(self) -> dict[str, dict[str, object]]:
         """The live workers' heartbeat hashes as the gateway sees them."""
         assert self.stack is not None
@@ -190,6 +195,10 @@ class ProcessService:
     def infer_url(self) -> str:
         return f"http://127.0.0.1:{self.port}{self.path}"
 
+    @property
+    def redis_url(self) -> str | None:
+        return None
+
     def counters(self) -> dict[str, float] | None:
         return None
 
@@ -230,6 +239,21 @@ def litserve(log_dir: Path, *, max_batch_size: int, max_wait_ms: float, torch_th
     env = {"BENCH_MAX_BATCH_SIZE": str(max_batch_size), "BENCH_MAX_WAIT_MS": str(max_wait_ms),
            "BENCH_TORCH_THREADS": str(torch_threads)}
     return ProcessService("litserve", [str(PEER_PYTHON), "-m", "bench.peers.litserve_server"], log_dir, env=env)
+
+
+def litserve_instant(log_dir: Path, *, output_dim: int = 0, max_batch_size: int = 64) -> ProcessService:
+    """LitServe with an instant model (bench/peers/litserve_server.py, BENCH_MODEL=instant):
+    only its serving path works. `output_dim` 0 echoes each input; N answers a float32 row of N."""
+    service = litserve(log_dir, max_batch_size=max_batch_size, max_wait_ms=0.0, torch_threads=1)
+    service.name = f"litserve-instant-{output_dim}"
+    service.env.update(BENCH_MODEL="instant", BENCH_OUTPUT_DIM=str(output_dim))
+    return service
+
+
+def echo(log_dir: Path, *, output_dim: int = 0) -> ProcessService:
+    """The FastAPI echo endpoint (bench/peers/echo_server.py): parses the body and answers at once."""
+    return ProcessService(f"echo-{output_dim}", [sys.executable, "-m", "bench.peers.echo_server"], log_dir,
+                          env={"BENCH_OUTPUT_DIM": str(output_dim)}, kind="echo")
 
 
 def naive(log_dir: Path, *, torch_threads: int) -> ProcessService:

@@ -9,9 +9,11 @@ load point) tagged with `suite` and `config`:
     scale       synthetic workers 1, 2, 4, 8, 2 simulated GPUs x 2 workers against 1 x 1 (placed as
                 `make up` places them), and the gateway's ceiling with instant workers
     image       efficientnet at concurrency 1 and 32 against its in-process ceiling (bench/image.py)
-    cost        serving CPU per request by process (gateway, Redis, workers) against a bare uvicorn
-                endpoint, instant workers, alternating (bench/cost.py)
-    gateways    1 and 2 gateway processes on one port, instant workers, alternating
+    cost        serving CPU per request by process (gateway, Redis, workers) and Redis commands per
+                request, instant workers, beside a FastAPI echo endpoint and LitServe with an
+                instant model; echoed text and 384-float replies; alternating (bench/cost.py)
+    gateways    1 and 2 gateway processes on one port, instant workers, alternating; 1 gateway at
+                concurrency 256 against the client's ceiling there
     fairness    1-input p99 alone and beside 4 clients of 256-input requests, synthetic fixed-time
                 forward (bench/fairness.py)
     generate    SmolLM2 text generation: tokens/s and time to first token at concurrency 1, 8, 32 for
@@ -34,13 +36,24 @@ from typing import Protocol
 
 from bench.corpus import load_corpus
 from bench.cost import cost_point, cpu_by_role
-from bench.figures import COST_BASELINE, COST_OURS
+from bench.figures import COST_BASELINE, COST_OURS, COST_PEER, EMBEDDING_DIM, wide
 from bench.loadgen import body_cycle, run_point
-from bench.services import ROOT, VramguardService, litserve, naive, peak_rss_bytes, trivial
+from bench.services import (
+    PEER_PYTHON,
+    ROOT,
+    VramguardService,
+    echo,
+    litserve,
+    litserve_instant,
+    naive,
+    peak_rss_bytes,
+    trivial,
+)
 from bench.stats import summarize, worker_view
 from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
 
 PEER_CONCURRENCY = 64  # the load at which the peer, cost and scale targets are stated
+GATEWAY_CONCURRENCY = 256  # one gateway against the client's own ceiling
 Records = Iterator[dict[str, object]]
 
 
@@ -75,6 +88,8 @@ class Service(Protocol):
     def device_memory(self) -> dict[str, float]: ...
     def pids(self) -> list[int]: ...
     def roles(self) -> dict[str, list[int]]: ...
+    @property
+    def redis_url(self) -> str | None: ...
 
 
 def measure(service: Service, cfg: BenchConfig, concurrency: int, *,
@@ -114,7 +129,7 @@ def ceiling(cfg: BenchConfig) -> Records:
     service = trivial(cfg.log_dir)
     service.start()
     try:
-        for concurrency in (1, PEER_CONCURRENCY):
+        for concurrency in (1, PEER_CONCURRENCY, GATEWAY_CONCURRENCY):
             yield measure(service, cfg, concurrency, suite="ceiling", config="client vs trivial endpoint")
     finally:
         service.stop()
@@ -280,9 +295,10 @@ def instant(cfg: BenchConfig, name: str, *, workers: int = 1, gateways: int = 1,
 def alternate(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]],
               point: Callable[[str, Service, int], dict[str, object]]) -> Records:
     """Start every service, then measure them in turn (A B C A B C ...) for `cfg.pairs` rounds, so
-    that machine drift falls on all of them alike; `point(config, service, round)` measures one."""
+    that machine drift falls on all of them alike; `point(config, service, round)` measures one.
+    A service listed under several configs is started once."""
     with ExitStack() as up:
-        for _config, service in services:
+        for service in {id(service): service for _config, service in services}.values():
             service.start()
             up.callback(service.stop)
         for round_ in range(cfg.pairs):
@@ -292,20 +308,22 @@ def alternate(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]],
 
 
 def cost(cfg: BenchConfig) -> Records:
-    """Serving CPU per request at concurrency 64 by process: vramguard with one instant worker,
-    the same on asyncio's own loop with redis-py's Python parser (the figure before uvloop and
-    hiredis), and a bare uvicorn endpoint (the baseline of the ratio), alternating."""
-    services: list[tuple[str, Service]] = [
-        (COST_OURS, instant(cfg, "cost-vramguard")),
-        ("vramguard, asyncio loop + Python Redis parser",
-         instant(cfg, "cost-plain", event_loop="asyncio", redis_parser="python")),
-        (COST_BASELINE, trivial(cfg.log_dir)),
-    ]
+    """Serving CPU per request at concurrency 64 by process, and Redis commands per request:
+    vramguard with one instant worker, the FastAPI echo endpoint (the floor of the ratio) and
+    LitServe with an instant model (when the peer venv is built), first echoing the text, then
+    answering minilm-shaped replies (EMBEDDING_DIM float32 each), all alternating."""
+    services: list[tuple[str, Service]] = []
+    for dim in (0, EMBEDDING_DIM):
+        params = json.dumps({"batch_ms": 0.0, "item_ms": 0.0, "output_dim": dim})
+        services += [(wide(COST_OURS, dim), instant(cfg, f"cost-vramguard-{dim}", models__synthetic__params=params)),
+                     (wide(COST_BASELINE, dim), echo(cfg.log_dir, output_dim=dim))]
+        if PEER_PYTHON.exists():
+            services.append((wide(COST_PEER, dim), litserve_instant(cfg.log_dir, output_dim=dim)))
 
     def point(config: str, service: Service, round_: int) -> dict[str, object]:
         return cost_point(service.infer_url, service.roles(), concurrency=PEER_CONCURRENCY,
                           duration_s=cfg.duration_s, warmup_s=cfg.warmup_s, label=f"cost {config} #{round_}",
-                          progress=cfg.progress)
+                          progress=cfg.progress, redis_url=service.redis_url)
 
     yield from alternate(cfg, "cost", services, point)
 
@@ -321,18 +339,21 @@ def gateways(cfg: BenchConfig) -> Records:
     The workers run without a batch window (max_wait_ms 0): with the default 5 ms, each worker's
     batches of about 32 (never the 64 that would close the window early) wait out the window, so
     the workers, not the gateways, set the pace (measured: 1.2 of 2 cores busy at 1 gateway, and 2
-    gateways no faster)."""
-    services: list[tuple[str, Service]] = [
-        (f"{n} gateway{'s' if n > 1 else ''}",
-         instant(cfg, f"gateways-{n}", workers=2, gateways=n, models__synthetic__max_wait_ms=0))
-        for n in GATEWAY_COUNTS
-    ]
+    gateways no faster).
+
+    Each round also loads the 1-gateway stack at GATEWAY_CONCURRENCY (config `1 gateway, c=256`),
+    against the client's own ceiling at that concurrency (suite `ceiling`)."""
+    stacks = {n: instant(cfg, f"gateways-{n}", workers=2, gateways=n, models__synthetic__max_wait_ms=0)
+              for n in GATEWAY_COUNTS}
+    services: list[tuple[str, Service]] = [(f"{n} gateway{'s' if n > 1 else ''}", stacks[n]) for n in GATEWAY_COUNTS]
+    services.append((f"1 gateway, c={GATEWAY_CONCURRENCY}", stacks[1]))
 
     def point(config: str, service: Service, round_: int) -> dict[str, object]:
+        concurrency = GATEWAY_CONCURRENCY if config.endswith(f"c={GATEWAY_CONCURRENCY}") else PEER_CONCURRENCY
         return {"gateways": int(config.split()[0]),
-                **cost_point(service.infer_url, service.roles(), concurrency=PEER_CONCURRENCY,
+                **cost_point(service.infer_url, service.roles(), concurrency=concurrency,
                              duration_s=cfg.duration_s, warmup_s=cfg.warmup_s, label=f"{config} #{round_}",
-                             progress=cfg.progress)}
+                             progress=cfg.progress, redis_url=service.redis_url)}
 
     yield from alternate(cfg, "gateways", services, point)
 

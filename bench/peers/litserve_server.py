@@ -2,7 +2,11 @@
 vramguard worker (worker/models/minilm.py: tokenise + forward + pool + normalise), the same
 batch size and batch window. Runs from the peer venv (bench/.venv-peer), PYTHONPATH = repo root.
 
-Environment: BENCH_PORT, BENCH_MAX_BATCH_SIZE, BENCH_MAX_WAIT_MS, BENCH_TORCH_THREADS.
+With BENCH_MODEL=instant it serves an instant model instead (no compute: each input echoed, or
+with BENCH_OUTPUT_DIM N a float32 row of N values), for the serving-cost suite.
+
+Environment: BENCH_PORT, BENCH_MAX_BATCH_SIZE, BENCH_MAX_WAIT_MS, BENCH_TORCH_THREADS, BENCH_MODEL,
+BENCH_OUTPUT_DIM.
 """
 
 from __future__ import annotations
@@ -46,8 +50,30 @@ class MiniLMAPI(ls.LitAPI):
         return {"outputs": [row.tolist() for row in rows]}  # type: ignore[union-attr]
 
 
+class InstantAPI(ls.LitAPI):
+    """The instant model: the input echoed, or a fixed float32 row [BENCH_OUTPUT_DIM] per input."""
+
+    def setup(self, device: str) -> None:
+        import numpy as np
+
+        dim = int(os.environ.get("BENCH_OUTPUT_DIM", "0"))
+        self.row = np.random.default_rng(0).standard_normal(dim).astype(np.float32) if dim else None
+
+    def decode_request(self, request: dict) -> object:  # type: ignore[override]
+        return request["inputs"][0]
+
+    def predict(self, x: object) -> object:  # type: ignore[override]
+        if self.row is None:
+            return x
+        return [self.row for _ in x] if isinstance(x, list) else self.row
+
+    def encode_response(self, output: object) -> dict[str, object]:  # type: ignore[override]
+        return {"outputs": [output.tolist() if hasattr(output, "tolist") else output]}
+
+
 def main() -> None:
-    api = MiniLMAPI(
+    api_class = InstantAPI if os.environ.get("BENCH_MODEL") == "instant" else MiniLMAPI
+    api = api_class(
         max_batch_size=int(os.environ.get("BENCH_MAX_BATCH_SIZE", "32")),
         batch_timeout=float(os.environ.get("BENCH_MAX_WAIT_MS", "5")) / 1000,
     )

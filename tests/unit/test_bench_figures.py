@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.figures import COST_BASELINE, COST_OURS, summary_figures, target_rows
+from bench.cost import commands_per_request
+from bench.figures import COST_BASELINE, COST_OURS, COST_PEER, EMBEDDING_DIM, summary_figures, target_rows, wide
 
 
 def point(suite: str, config: str, concurrency: int, rps: float, p99_ms: float, **extra: object) -> dict[str, object]:
@@ -96,9 +97,59 @@ def test_serving_cost_ratio_per_round_and_verdict() -> None:
     # 2. Per-role medians over the rounds.
     assert fig.cost.us_by_config[COST_OURS]["gateway"] == 75.0
     assert fig.cost.us_by_config[COST_OURS]["total"] == 125.0
-    row = next(r for r in target_rows(fig) if r[0].startswith("serving CPU per request"))
+    row = next(r for r in target_rows(fig) if r[0].startswith("server CPU per request"))
     # 3. The median ratio 2.5 misses the 2x target; the split names each process.
+    assert row[0] == "server CPU per request at c=64 (echoed text) <= 2x FastAPI echo endpoint's"
     assert row[2] == "**missed**" and "gateway 75, redis 25, workers 25" in row[1]
+
+
+def test_cost_against_litserve_and_wide_replies_and_redis_commands() -> None:
+    """Each (vramguard, other) pair of the cost suite is its own target row, per round: 0.35x
+    LitServe's CPU, 2x the echo endpoint's for 384-float replies too; Redis commands per request
+    (median over rounds) at most 1.0."""
+    records = run_records()
+    wide_ours, wide_echo, wide_peer = (wide(c, EMBEDDING_DIM) for c in (COST_OURS, COST_BASELINE, COST_PEER))
+    records["cost"] = []
+    for pair, (per_request, peer_us) in enumerate([(1.5, 400.0), (0.9, 300.0), (0.8, 280.0)]):
+        ours = {**cost_point(COST_OURS, pair, {"gateway": 70.0, "redis": 10.0, "workers": 20.0}),
+                "redis_commands_per_request": {"total": per_request, "evalsha": 0.1}}
+        records["cost"] += [ours, cost_point(COST_BASELINE, pair, {"server": 60.0}),
+                            cost_point(COST_PEER, pair, {"server": peer_us}),
+                            cost_point(wide_ours, pair, {"gateway": 130.0, "redis": 10.0, "workers": 60.0}),
+                            cost_point(wide_echo, pair, {"server": 90.0})]
+    rows = {str(r[0]): r for r in target_rows(summary_figures(records))}
+    peer = rows["server CPU per request at c=64 (echoed text) <= 0.35x LitServe (instant model)'s"]
+    assert str(peer[1]).startswith("0.33x (min/med/max 0.25 / 0.33 / 0.36)") and peer[2] == "**met**"
+    wide_row = rows["server CPU per request at c=64 (384-float replies) <= 2x FastAPI echo endpoint's"]
+    assert str(wide_row[1]).startswith("2.22x") and wide_row[2] == "**missed**"  # 200 / 90
+    assert not any(k.startswith("server CPU per request at c=64 (384-float replies) <= 0.35x") for k in rows)
+    commands = rows[f"Redis commands per request at c=64, {COST_OURS} <= 1"]
+    assert commands[1:] == ["0.90 (min/med/max 0.80 / 0.90 / 1.50, INFO commandstats deltas)", "**met**"]
+
+
+def test_redis_commands_per_request_from_commandstats_deltas() -> None:
+    """Deltas of each command's calls over the answered requests; commands that did not run are
+    left out; the most frequent come first after the total."""
+    before = {"xadd": 100, "evalsha": 50, "get": 10, "ping": 3}
+    after = {"xadd": 300, "evalsha": 150, "get": 10, "ping": 3, "xack": 100}
+    assert list(commands_per_request(before, after, answered=200).items()) == [
+        ("total", 2.0), ("xadd", 1.0), ("evalsha", 0.5), ("xack", 0.5)]
+
+
+def test_one_gateway_at_256_against_the_client_ceiling_there() -> None:
+    """The c=256 point is reported against the client's ceiling at 256 and left out of the
+    1-vs-2-gateway ratio, which stays at c=64."""
+    records = run_records()
+    records["ceiling"] = [{"suite": "ceiling", "concurrency": 64, "rps": 1200.0},
+                          {"suite": "ceiling", "concurrency": 256, "rps": 1500.0}]
+    records["gateways"] = [{"suite": "gateways", "gateways": n, "concurrency": c, "rps": rps, "pair": 0,
+                            "cores_busy": 1.0, "cores": 2} for n, c, rps in ((1, 64, 400.0), (2, 64, 700.0),
+                                                                            (1, 256, 600.0))]
+    fig = summary_figures(records)
+    assert fig.gateways_rps == {1: [400.0], 2: [700.0]}
+    row = next(r for r in target_rows(fig) if str(r[0]).startswith("1 gateway, instant workers, c=256"))
+    assert row[1:] == ["600 req/s (min/med/max 600.00 / 600.00 / 600.00) = 40% of the client's own ceiling "
+                       "there (1500 req/s)", "reported"]
 
 
 @pytest.mark.parametrize(("one", "two", "busy", "verdict"), [

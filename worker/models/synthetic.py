@@ -2,6 +2,10 @@
 sleep of params.batch_ms + params.item_ms * the batch's padded cost per forward. It sleeps
 instead of computing so that many synthetic workers do not compete for the CPU.
 
+With params.output_dim N > 0, each output is instead a float32 row of N unit-norm values (the
+same row for every input), the shape minilm answers (384), so rendering real replies is measured
+with no compute behind it.
+
 Cost: 1 per input, unless params.max_tokens > 1: then a string costs its word count (truncated
 at max_tokens, as minilm truncates at its window) and a batch costs items x its longest item.
 
@@ -36,6 +40,8 @@ from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
+import numpy as np
+
 from vramguard.shared.errors import ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
@@ -44,13 +50,14 @@ from vramguard.worker.simdevice import SimDevice
 
 MIB = 1024 * 1024
 DEFAULT_PARAMS = {"batch_ms": 0.0, "item_ms": 0.0, "weights_mib": 128.0, "fixed_mib": 16.0, "item_mib": 8.0,
-                  "max_tokens": 1.0}
+                  "max_tokens": 1.0, "output_dim": 0.0}
 KNOWN_PARAMS = frozenset(DEFAULT_PARAMS)
 
 
 class SyntheticBackend:
     """Echo backend. Params: batch_ms, item_ms (sleep per forward and per unit of padded cost),
-    weights_mib, fixed_mib, item_mib (simulated memory), max_tokens (1: fixed-size inputs)."""
+    weights_mib, fixed_mib, item_mib (simulated memory), max_tokens (1: fixed-size inputs),
+    output_dim (0: echo the input; N: a float32 row [N] per input)."""
 
     name = "synthetic"
 
@@ -68,6 +75,8 @@ class SyntheticBackend:
         self.weights_bytes, self.fixed_bytes = int(p["weights_mib"] * MIB), int(p["fixed_mib"] * MIB)
         self.unit_bytes = p["item_mib"] * MIB
         self._max_tokens = int(p["max_tokens"])
+        row = np.random.default_rng(0).standard_normal(int(p["output_dim"])).astype(np.float32)
+        self._row = row / max(float(np.linalg.norm(row)), 1e-9) if row.size else None
         self._sim: SimDevice | None = None
 
     def load(self) -> None:
@@ -110,6 +119,8 @@ class SyntheticBackend:
                     inject_fault(kind)
         if "leak" in faults and self._sim is not None:
             self._sim.fill()
+        if self._row is not None:
+            return list(np.tile(self._row, (len(batch), 1)))
         return batch
 
     def _simulated_memory(self, batch: list[object], cost: int) -> AbstractContextManager[None]:
