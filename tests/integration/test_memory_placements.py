@@ -239,8 +239,9 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 async def test_random_placements_never_run_a_gpu_out_of_memory(stack: Stack, tmp_path: Path) -> None:
-    """For each of PLACEMENTS seeded random placements (20 unless VRAMGUARD_TEST_PLACEMENTS says) (1-4 simulated GPUs of 1 GiB, 1-5 workers per GPU,
-    1-3 synthetic models with random weights, item sizes and shares):
+    """For each of PLACEMENTS seeded random placements (20 unless VRAMGUARD_TEST_PLACEMENTS says;
+    1-4 simulated GPUs of 1 GiB, 1-5 workers per GPU, 1-3 synthetic models with random weights,
+    item sizes and shares):
     1. every worker starts under one supervisord (the shipped configuration);
     2. under 100 concurrent clients, every worker is SIGKILLed in random order, a random moment
        apart; supervisord restarts each; the load runs until all are live again.
