@@ -175,6 +175,8 @@ def test_make_up_gateways_2_starts_two_gateways_on_the_port(redis_server: RedisS
         assert all(p.environ().get("VRAMGUARD_REUSE_PORT") == "true" for p in procs)
         assert all(listening(p.pid, port) for p in procs)
         assert {"gateway-0.log", "gateway-1.log"} <= {p.name for p in run_dir.glob("*.log")}
+        # Ready means one worker can serve; the second may still be importing torch on busy cores.
+        asyncio.run(wait_until(lambda: both_workers_live(url), timeout_s=90, interval_s=0.5))
         # 2. The port answers on fresh connections, whichever gateway takes each.
         codes = {httpx.post(f"{url}/v1/models/synthetic/infer", json={"inputs": [i]}, timeout=30).status_code
                  for i in range(16)}
@@ -184,6 +186,15 @@ def test_make_up_gateways_2_starts_two_gateways_on_the_port(redis_server: RedisS
         no_pid = {str([("model", "synthetic")]): 0.0}
         assert [served(text) for text in asyncio.run(scrapes(url))] == [(16, 16, no_pid, 2)] * SCRAPES
         assert {p.environ().get("PROMETHEUS_MULTIPROC_DIR") for p in procs} == {str(run_dir / "metrics")}
+
+
+async def both_workers_live(url: str) -> bool:
+    """Whether every gateway's scrape (SCRAPES on fresh connections) counts 2 live synthetic workers."""
+    def live(text: str) -> list[float]:
+        return [s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name == "vramguard_live_workers" and s.labels == {"model": "synthetic"}]
+
+    return all(live(text) == [2] for text in await scrapes(url))
 
 
 async def serving_on_one_port(stack: Stack, second: subprocess.Popen[bytes]) -> None:

@@ -15,7 +15,14 @@ from tests.helpers import Stack
 
 def events(path: Path) -> list[dict[str, object]]:
     """Every line of a log file parsed as JSON (a non-JSON line fails the test)."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    parsed = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                parsed.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise AssertionError(f"{path.name} line {number} is not JSON: {line!r}") from None
+    return parsed
 
 
 @pytest.mark.slow
