@@ -26,7 +26,7 @@ from vramguard.cli.placement import Gpu, WorkerGroup
 from vramguard.cli.programs import SHIPPED_CONF, write_programs
 
 MIB = 1024 * 1024
-PLACEMENTS = int(os.environ.get("VRAMGUARD_TEST_PLACEMENTS", "20"))  # fewer while developing
+PLACEMENTS = int(os.environ.get("TEST_PLACEMENTS", "20"))  # fewer while developing
 SIM_BYTES = 1024 * MIB
 WATERMARK = 0.8
 # The placements are drawn from 1-4 GPUs, 1-5 workers per GPU and 1-3 models, then redrawn while
@@ -239,7 +239,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 async def test_random_placements_never_run_a_gpu_out_of_memory(stack: Stack, tmp_path: Path) -> None:
-    """For each of PLACEMENTS seeded random placements (20 unless VRAMGUARD_TEST_PLACEMENTS says;
+    """For each of PLACEMENTS seeded random placements (20 unless TEST_PLACEMENTS says;
     1-4 simulated GPUs of 1 GiB, 1-5 workers per GPU, 1-3 synthetic models with random weights,
     item sizes and shares):
     1. every worker starts under one supervisord (the shipped configuration);
@@ -249,7 +249,7 @@ async def test_random_placements_never_run_a_gpu_out_of_memory(stack: Stack, tmp
     Result, in every placement: 0 OOM events, 0 failed requests, on each GPU the sum of reserved
     + context + modules over its workers <= its total at every sample, and every worker's
     reserved <= its cap."""
-    seeds = os.environ.get("VRAMGUARD_TEST_SEEDS")
+    seeds = os.environ.get("TEST_PLACEMENT_SEEDS")
     placements = [draw(int(seed)) for seed in seeds.split(",")] if seeds else [draw(seed) for seed in range(PLACEMENTS)]
     models_path = models_file(tmp_path / "models.toml", {m: p for pl in placements for m, p in pl.models.items()})
     stack.start_gateway(served_models=",".join(m for pl in placements for m in sorted(pl.models)),
