@@ -22,9 +22,12 @@ from redis.typing import EncodableT
 
 from vramguard.shared.redis_client import RETRIES
 
-# The most items one grouped call carries: bounds how long one script holds Redis (a script
-# blocks every other client while it runs).
+# The most items, and bytes of item args, one grouped call carries: they bound how long one
+# script holds Redis (a script blocks every other client while it runs) and how large one command
+# is; 256 bodies of up to max_body_bytes each would be gigabytes, past Redis' query buffer limit.
+# A single item larger than MAX_GROUP_BYTES goes alone.
 MAX_GROUP_ITEMS = 256
+MAX_GROUP_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -124,16 +127,20 @@ class ScriptBatcher:
         `keys` and `args` are sent as one call with every item's keys and args appended in call
         order (keys + item_keys..., args + item_args...). The script returns a list, one result per
         item; the future gets this item's (or the call's exception object, or the round trip's
-        RedisError, as `call`). The group's place in the order is its first item's."""
+        RedisError, as `call`). The group's place in the order is its first item's; a group holds
+        at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts)."""
         loop = asyncio.get_running_loop()
         key = (script.sha, tuple(keys), tuple(args))
+        size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
         group = self._groups.get(key)
-        if group is None or len(group.futures) >= MAX_GROUP_ITEMS:
+        if group is None or len(group.futures) >= MAX_GROUP_ITEMS or (
+                group.futures and group.bytes + size > MAX_GROUP_BYTES):
             group = self._groups[key] = _Group(ScriptCall(script, list(keys), list(args)))
             group.outcome = self.call(script, group.call.keys, group.call.args)
             group.outcome.add_done_callback(group.resolve)
         group.call.keys.extend(item_keys)
         group.call.args.extend(item_args)
+        group.bytes += size
         future: asyncio.Future[object] = loop.create_future()
         group.futures.append(future)
         return future
@@ -166,6 +173,7 @@ class _Group:
     def __init__(self, call: ScriptCall) -> None:
         self.call = call
         self.futures: list[asyncio.Future[object]] = []
+        self.bytes = 0  # of the items' str and bytes args
         self.outcome: asyncio.Future[object] | None = None
 
     def resolve(self, outcome: asyncio.Future[object]) -> None:

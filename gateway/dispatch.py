@@ -13,7 +13,7 @@ import uuid
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from vramguard.gateway.backpressure import ThroughputMeter, retry_after_s
 from vramguard.gateway.coalesce import ScriptBatcher
@@ -48,8 +48,14 @@ log = logging.getLogger(__name__)
 #   bound nothing is added (never trim accepted entries to make room): {0, depth}, else {1, id}.
 # - The stream's bytes in Redis (MEMORY USAGE: the entries' listpacks, sampled) plus the entries
 #   this call adds must stay within queue_bound_bytes: {2, bytes held} past it.
+# - A record Redis cannot read (another type at its key) is that request's own error, {3, text},
+#   never the call's: the other requests of the call go on (pcall). The writes stay plain calls:
+#   OOM and READONLY refuse the first write of a script, so they fail the whole call before it
+#   has written anything, and the caller retries or answers each request of it.
 # XLEN and MEMORY USAGE are read once per call and advanced by what the call adds, so a call of
-# 64 requests answers each as 64 calls in a row would. Returns one {status, value} per request.
+# 64 requests answers each as 64 calls in a row would (the bytes by the packed requests' length:
+# each entry's few bytes of stream overhead are counted at the next call). Returns one
+# {status, value} per request, in KEYS order.
 ADMISSION = """
 local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local depth = redis.call('XLEN', KEYS[1])
@@ -57,8 +63,10 @@ local held = nil
 local out = {}
 for i = 2, #KEYS do
   local packed = ARGV[i + 3]
-  local first = redis.call('GET', KEYS[i])
-  if first then
+  local first = redis.pcall('GET', KEYS[i])
+  if type(first) == 'table' then
+    out[i - 1] = {3, first.err}
+  elseif first then
     out[i - 1] = {1, first}
   elseif depth >= bound then
     out[i - 1] = {0, depth}
@@ -308,6 +316,8 @@ class Dispatcher:
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
+        if status == 3:  # this request's admission record is unreadable; the call's others went on
+            raise ResponseError(value.decode(errors="replace") if isinstance(value, bytes) else str(value))
         if status == 2:
             raise QueueFullError(  # no entry count to rate: a second, as for a queue that drains at all
                 f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "
