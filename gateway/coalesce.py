@@ -1,7 +1,11 @@
 """Redis scripts of concurrent requests in one round trip: every script call made during one
 pass of the event loop goes out in a single pipeline (EVALSHA each, in call order), so at
 concurrency 64 the gateway pays one write and one read for a burst of admissions instead of two
-per request. Nothing waits to fill a batch: a call alone is sent on the next loop pass."""
+per request. Nothing waits to fill a batch: a call alone is sent on the next loop pass.
+
+Calls of a script written for many items (`ScriptBatcher.call_grouped`) go further: the pass's
+calls that share the script and its leading keys and args become ONE script call carrying every
+item, so Redis runs one EVALSHA (and whatever the script reads once) for the lot."""
 
 from __future__ import annotations
 
@@ -17,6 +21,13 @@ from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
 from redis.typing import EncodableT
 
 from vramguard.shared.redis_client import RETRIES
+
+# The most items, and bytes of item args, one grouped call carries: they bound how long one
+# script holds Redis (a script blocks every other client while it runs) and how large one command
+# is; 256 bodies of up to max_body_bytes each would be gigabytes, past Redis' query buffer limit.
+# A single item larger than MAX_GROUP_BYTES goes alone.
+MAX_GROUP_ITEMS = 256
+MAX_GROUP_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -86,6 +97,8 @@ class ScriptBatcher:
         # The idempotent calls of the batch being collected, by (sha, keys, args): see `call`.
         self._shared: dict[tuple[str, tuple[str, ...], tuple[EncodableT, ...]], asyncio.Future[object]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # The grouped calls being collected, by (sha, leading keys, leading args): see `call_grouped`.
+        self._groups: dict[tuple[str, tuple[str, ...], tuple[EncodableT, ...]], _Group] = {}
 
     def call(self, script: AsyncScript, keys: list[str], args: list[EncodableT], *,
              idempotent: bool = False) -> asyncio.Future[object]:
@@ -108,9 +121,34 @@ class ScriptBatcher:
         self._pending.append((ScriptCall(script, keys, args), future))
         return future
 
+    def call_grouped(self, script: AsyncScript, keys: list[str], args: list[EncodableT],
+                     item_keys: list[str], item_args: list[EncodableT]) -> asyncio.Future[object]:
+        """Queue one item of a script that takes many: the calls of this pass with the same script,
+        `keys` and `args` are sent as one call with every item's keys and args appended in call
+        order (keys + item_keys..., args + item_args...). The script returns a list, one result per
+        item; the future gets this item's (or the call's exception object, or the round trip's
+        RedisError, as `call`). The group's place in the order is its first item's; a group holds
+        at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts)."""
+        loop = asyncio.get_running_loop()
+        key = (script.sha, tuple(keys), tuple(args))
+        size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
+        group = self._groups.get(key)
+        if group is None or len(group.futures) >= MAX_GROUP_ITEMS or (
+                group.futures and group.bytes + size > MAX_GROUP_BYTES):
+            group = self._groups[key] = _Group(ScriptCall(script, list(keys), list(args)))
+            group.outcome = self.call(script, group.call.keys, group.call.args)
+            group.outcome.add_done_callback(group.resolve)
+        group.call.keys.extend(item_keys)
+        group.call.args.extend(item_args)
+        group.bytes += size
+        future: asyncio.Future[object] = loop.create_future()
+        group.futures.append(future)
+        return future
+
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
         self._shared = {}
+        self._groups = {}
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -126,3 +164,32 @@ class ScriptBatcher:
         for (_call, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
+
+
+class _Group:
+    """The items of one grouped script call: the call (its key and arg lists grow with each item)
+    and each item's future, resolved from the call's list of results."""
+
+    def __init__(self, call: ScriptCall) -> None:
+        self.call = call
+        self.futures: list[asyncio.Future[object]] = []
+        self.bytes = 0  # of the items' str and bytes args
+        self.outcome: asyncio.Future[object] | None = None
+
+    def resolve(self, outcome: asyncio.Future[object]) -> None:
+        if outcome.cancelled():
+            for future in self.futures:
+                future.cancel()
+            return
+        exc = outcome.exception()
+        result = outcome.result() if exc is None else None
+        for i, future in enumerate(self.futures):
+            if future.done():
+                continue
+            if exc is not None:
+                future.set_exception(exc)
+            elif isinstance(result, list) and len(result) == len(self.futures):
+                future.set_result(result[i])
+            else:  # the script's error (an exception object) or an answer not shaped per item
+                future.set_result(result if isinstance(result, BaseException) else
+                                  ResponseError(f"grouped script answered {result!r} for {len(self.futures)} items"))

