@@ -169,17 +169,14 @@ class BatchServer:
         if not expired:
             return members
         self._stats.expired += len(expired)
-        for part, _parts in expired:
-            part.held.closed = True
-            self._parts.pop(part.entry_id, None)
         replies = [self._failure(part.entry, DeadlineExceededError.code, "deadline passed before its group ran")
                    for part, _parts in expired]
-        await self._publish(redis, replies, [part.entry_id for part, _parts in expired], [])
+        await self._publish(redis, replies, self._close(expired), [])
         return [m for m in members if not m[0].held.closed]
 
     async def _drop_cancelled(self, redis: aioredis.Redis, members: list[_Member]) -> list[_Member]:
         """Ack, without computing or answering, the members whose client left (the gateway's cancel
-        key, gateway/inference.py); return the others. One EXISTS-per-key round trip for the batch.
+        key, gateway/inference.py); return the others. One MGET of their cancel keys for the batch.
         A Redis error here only costs the check: the batch is computed."""
         asked = [m for m in members if m[0].message is not None]
         if not asked:
@@ -194,12 +191,16 @@ class BatchServer:
         if not gone:
             return members
         self._stats.cancelled += len(gone)
-        for part, _parts in gone:
-            part.held.closed = True
-            self._parts.pop(part.entry_id, None)
-        await self._publish(redis, [], [part.entry_id for part, _parts in gone], [])
+        await self._publish(redis, [], self._close(gone), [])
         log.info("requests cancelled before their batch ran", extra={"requests": len(gone)})
         return [m for m in members if not m[0].held.closed]
+
+    def _close(self, members: list[_Member]) -> list[EntryId]:
+        """Mark `members` answered without a forward and forget their parts; their entry ids, to ack."""
+        for part, _parts in members:
+            part.held.closed = True
+            self._parts.pop(part.entry_id, None)
+        return [part.entry_id for part, _parts in members]
 
     def _fits_alone(self, entry_costs: list[int]) -> bool:
         return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
