@@ -140,6 +140,12 @@ class MemoryBudget:
             return None
         return max(1, self.plan.max_batch_cost * self.cap.value // max(1, self.plan.planned_batch_size))
 
+    @property
+    def running_forwards(self) -> int:
+        """Forwards admitted by `admit` whose block has not ended yet."""
+        with self._cond:
+            return self._inflight
+
     def fits_alone(self, item_cost: int) -> bool:
         """Whether one item of `item_cost` fits the planned budget at all (else: 413 at once)."""
         return not self.plan.planned or item_cost <= self.plan.max_batch_cost

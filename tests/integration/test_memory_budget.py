@@ -114,7 +114,7 @@ async def test_input_too_large_alone_is_refused_at_once(gateway, start_worker) -
     window of 64 tokens.
     Result: a 64-token text gets 413 input_too_large without any forward; a 10-token text 200."""
     handle = await start_worker(device="sim", sim_memory_bytes=96 * MIB,
-                                models={"synthetic": {"params": {**TEXT, "item_mib": 1, "item_ms": 0}}})
+                                models={"synthetic": {"params": {**TEXT, "item_mib": 1, "item_ms": 70}}})
     await live(gateway)
     budget = handle.worker.budget
     assert budget.plan.planned_batch_tokens == 40
@@ -144,18 +144,20 @@ async def test_oom_that_persists_exits_without_acking(gateway, start_worker, red
 async def test_a_lost_context_stops_the_concurrent_forward_from_publishing(
     gateway, start_worker, redis_client, key_prefix
 ) -> None:
-    """1. Two forwards in flight (max_inflight_batches=2): a slow one of 20 items (600 ms), then,
-       while it runs, a one-item batch whose forward hits a CUDA error after 30 ms.
+    """1. Two forwards in flight (max_inflight_batches=2): a slow one of 20 items (1.2 s), then,
+       once it runs, a one-item batch whose forward hits a CUDA error after 60 ms.
     Result: the worker exits CUDA_CONTEXT_LOST; the slow forward, finishing on a device no longer
     trusted, publishes nothing: its request is not answered by the worker (504 at its deadline)
     and both entries stay pending, un-acked, for a fresh process to reclaim."""
     handle = await start_worker(device="sim", fault_injection=True, models={"synthetic": {
-        "max_inflight_batches": 2, "max_wait_ms": 1, "params": {**SMALL, "batch_ms": 0, "item_ms": 30}}})
+        "max_inflight_batches": 2, "max_wait_ms": 1, "params": {**SMALL, "batch_ms": 0, "item_ms": 60}}})
     await live(gateway)
     assert handle.worker.budget.plan.inflight_batches == 2
-    slow = asyncio.create_task(infer(gateway, list(range(20)), timeout_ms=2500))
-    await wait_until(lambda: handle.worker.budget.max_concurrent_forwards >= 1, 5, interval_s=0.005)
-    broken = asyncio.create_task(infer(gateway, [{"fault": "cuda_error"}], timeout_ms=2500))
+    slow = asyncio.create_task(infer(gateway, list(range(20)), timeout_ms=3000))
+    # Running now, not merely admitted once: the warm-up forward already counts in
+    # max_concurrent_forwards, and two requests sent in one loop pass share one batch.
+    await wait_until(lambda: handle.worker.budget.running_forwards >= 1, 5, interval_s=0.005)
+    broken = asyncio.create_task(infer(gateway, [{"fault": "cuda_error"}], timeout_ms=3000))
     assert await asyncio.wait_for(handle.task, 20) == ExitCode.CUDA_CONTEXT_LOST
     assert handle.worker.budget.max_concurrent_forwards == 2  # the two forwards did overlap
     assert (await slow).status_code == 504 and (await broken).status_code == 504
