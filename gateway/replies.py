@@ -14,7 +14,7 @@ from redis.exceptions import RedisError
 
 from vramguard.shared.errors import UnavailableError
 from vramguard.shared.periodic import Periodic
-from vramguard.shared.protocol import ENTRY_FIELD, ProtocolError, ReplyMessage, RequestId
+from vramguard.shared.protocol import ProtocolError, ReplyMessage, RequestId
 from vramguard.shared.redis_client import describe_data_loss
 from vramguard.shared.settings import Settings
 from vramguard.shared.tasks import TaskWatch, reconnect
@@ -185,6 +185,17 @@ class ReplyListener:
                 await reconnect(self._blocking)
                 await asyncio.sleep(backoff.compute(failures))
 
+    def _resolve(self, reply: ReplyMessage) -> None:
+        stream = self._streams.get(reply.request_id)
+        if stream is not None:
+            stream.put(reply)
+            return
+        future = self._waiters.get(reply.request_id)
+        if future is None or future.done():
+            self.replies_dropped += 1  # late (caller timed out) or a duplicate delivery
+            return
+        future.set_result(reply)
+
     async def _deliver(self, entries: list[tuple[bytes, dict[bytes, bytes]]], *, advance: bool) -> None:
         """Resolve the futures of `entries`; `advance`: move the read position past them (not for
         a read issued before the stream was recreated: the new stream is read from its start)."""
@@ -193,24 +204,15 @@ class ReplyListener:
             ids.append(entry_id)
             if advance:
                 self._last_id = entry_id
-            data = fields.get(ENTRY_FIELD)
-            if data is None:
-                continue  # the init entry
             try:
-                reply = ReplyMessage.decode(data)
+                replies = ReplyMessage.from_entry(fields)
             except ProtocolError as exc:
                 log.error("undecodable reply dropped", extra={"entry_id": entry_id.decode(), "error": str(exc)})
                 continue
-            stream = self._streams.get(reply.request_id)
-            if stream is not None:
-                stream.put(reply)
-                continue
-            future = self._waiters.get(reply.request_id)
-            if future is None or future.done():
-                self.replies_dropped += 1  # late (caller timed out) or a duplicate delivery
-                continue
-            future.set_result(reply)
+            for reply in replies:
+                self._resolve(reply)
         try:
             await self._redis.xdel(self.stream, *ids)
         except RedisError:
             pass  # bounded by MAXLEN and the TTL anyway
+

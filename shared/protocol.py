@@ -1,14 +1,16 @@
 """Wire messages between gateway and workers: msgpack, never pickle.
 
-A request is one stream entry with a single field `m` holding a packed `RequestMessage`; a
-reply is one entry on the gateway's reply stream with field `m` holding a packed
-`ReplyMessage`. Arrays travel as a msgpack extension (type `ARRAY_EXT`) whose payload is
+A request is one stream entry with a single field `m` holding a packed `RequestMessage`. A
+reply travels on the gateway's reply stream: alone, as an entry with field `m` holding a packed
+`ReplyMessage`, or with the other replies of one batch to the same gateway, as an entry with
+field `ms` holding a packed list of them (one XADD and one entry per gateway per batch instead of
+one per request). Arrays travel as a msgpack extension (type `ARRAY_EXT`) whose payload is
 `[dtype.str, shape, raw C-order bytes]`, so a float32 [384] embedding costs 1.5 KiB, not JSON.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NewType, TypeAlias
 
@@ -20,6 +22,7 @@ from vramguard.shared.errors import InvalidInputError
 PROTOCOL_VERSION = 1
 ARRAY_EXT = 42
 ENTRY_FIELD = b"m"
+REPLIES_FIELD = b"ms"
 
 RequestId = NewType("RequestId", str)
 EntryId = NewType("EntryId", str)
@@ -170,24 +173,55 @@ class ReplyMessage:
         return self.error_code is None
 
     def encode(self) -> bytes:
-        return pack(
-            {
-                "v": PROTOCOL_VERSION,
-                "request_id": self.request_id,
-                "outputs": self.outputs,
-                "error_code": self.error_code,
-                "error_message": self.error_message,
-                "worker_id": self.worker_id,
-                "batch_size": self.batch_size,
-                "queue_delay_ms": self.queue_delay_ms,
-                "cost": self.cost,
-            }
-        )
+        return pack(self._fields())
+
+    def _fields(self) -> dict[str, object]:
+        return {
+            "v": PROTOCOL_VERSION,
+            "request_id": self.request_id,
+            "outputs": self.outputs,
+            "error_code": self.error_code,
+            "error_message": self.error_message,
+            "worker_id": self.worker_id,
+            "batch_size": self.batch_size,
+            "queue_delay_ms": self.queue_delay_ms,
+            "cost": self.cost,
+        }
 
     @classmethod
     def decode(cls, data: bytes) -> ReplyMessage:
         """Raises ProtocolError for bytes that are not a version-1 reply."""
-        d = unpack(data)
+        return cls._from_fields(unpack(data))
+
+    @classmethod
+    def encode_many(cls, replies: Sequence[ReplyMessage]) -> bytes:
+        """The value of a REPLIES_FIELD entry: `replies` packed as one msgpack array (one packb
+        call for the batch). Raises TypeError for an output that cannot travel (as `encode`)."""
+        return pack([reply._fields() for reply in replies])
+
+    @classmethod
+    def decode_many(cls, data: bytes) -> list[ReplyMessage]:
+        """What `encode_many` wrote, in its order. Raises ProtocolError when the bytes or any
+        reply in them are not of protocol version 1 (the entry's other replies are then lost
+        with it, as a single entry's reply would be)."""
+        items = unpack(data)
+        if not isinstance(items, list):
+            raise ProtocolError("not a list of reply messages")
+        return [cls._from_fields(item) for item in items]
+
+    @classmethod
+    def from_entry(cls, fields: Mapping[bytes, bytes]) -> list[ReplyMessage]:
+        """The replies one reply-stream entry carries: one (ENTRY_FIELD), a batch's
+        (REPLIES_FIELD), or none (any other entry, such as the one that creates the stream).
+        Raises ProtocolError for bytes that are not replies of protocol version 1."""
+        if (data := fields.get(ENTRY_FIELD)) is not None:
+            return [cls.decode(data)]
+        if (data := fields.get(REPLIES_FIELD)) is not None:
+            return cls.decode_many(data)
+        return []
+
+    @classmethod
+    def _from_fields(cls, d: object) -> ReplyMessage:
         if not isinstance(d, dict) or d.get("v") != PROTOCOL_VERSION:
             raise ProtocolError("not a reply message of protocol version 1")
         outputs = d.get("outputs")

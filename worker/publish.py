@@ -8,7 +8,9 @@ worker dies between the steps its entries stay pending and are reclaimed, and th
 the duplicate reply (delivery is at least once, as for any redelivery).
 
 Replies go to each request's `reply_to` stream with NOMKSTREAM: a gateway that died took its
-stream with it, and no worker may recreate it (it would never expire).
+stream with it, and no worker may recreate it (it would never expire). The replies of one call
+to the same gateway travel as one entry (shared/protocol.py's REPLIES_FIELD): a batch of 64
+answered to one gateway is one XADD, and one entry for that gateway to read and delete.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
 from vramguard.shared.keys import GROUP
-from vramguard.shared.protocol import ENTRY_FIELD, EntryId, ReplyMessage
+from vramguard.shared.protocol import ENTRY_FIELD, REPLIES_FIELD, EntryId, ReplyMessage
 
 DEAD_LETTER_MAXLEN = 10_000
 
@@ -44,6 +46,20 @@ class DeadLetter:
     reason: str
 
 
+def reply_entries(replies: Sequence[Outgoing]) -> dict[str, dict[FieldT, EncodableT]]:
+    """The fields of one reply-stream entry per gateway (`reply_to`), in first-reply order: a
+    lone reply under ENTRY_FIELD, several under REPLIES_FIELD in their order (so a streamed
+    reply's chunks stay in order). Raises TypeError for an output that cannot travel."""
+    by_stream: dict[str, list[ReplyMessage]] = {}
+    for out in replies:
+        by_stream.setdefault(out.reply_to, []).append(out.reply)
+    return {
+        reply_to: {ENTRY_FIELD: group[0].encode()} if len(group) == 1
+        else {REPLIES_FIELD: ReplyMessage.encode_many(group)}
+        for reply_to, group in by_stream.items()
+    }
+
+
 async def publish_replies(
     redis: aioredis.Redis,
     *,
@@ -54,16 +70,16 @@ async def publish_replies(
     dead_letters: Sequence[DeadLetter] = (),
     reply_maxlen: int,
 ) -> None:
-    """XADD every reply, then XADD the dead letters and XACK + XDEL `entry_ids` (which must include
-    the dead letters' ids) atomically. Raises RedisError; nothing is acked then, so the entries
-    stay pending and are reclaimed (a reply already sent is then sent again, and dropped)."""
+    """XADD the replies (one entry per gateway: `reply_entries`), then XADD the dead letters
+    and XACK + XDEL `entry_ids` (which must include the dead letters' ids) atomically. Raises
+    RedisError; nothing is acked then, so the entries stay pending and are reclaimed (a reply
+    already sent is then sent again, and dropped)."""
 
     async def _send() -> None:
         if replies:
             async with redis.pipeline(transaction=False) as pipe:
-                for out in replies:
-                    pipe.xadd(out.reply_to, {ENTRY_FIELD: out.reply.encode()}, maxlen=reply_maxlen,
-                              approximate=True, nomkstream=True)
+                for reply_to, fields in reply_entries(replies).items():
+                    pipe.xadd(reply_to, fields, maxlen=reply_maxlen, approximate=True, nomkstream=True)
                 await pipe.execute()
         if not entry_ids and not dead_letters:
             return

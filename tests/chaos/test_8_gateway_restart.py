@@ -19,7 +19,7 @@ import httpx
 from tests.chaos.load import record_figures
 from tests.helpers import wait_until
 from vramguard.shared.keys import GROUP, Keys
-from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage
+from vramguard.shared.protocol import ReplyMessage
 
 TTL_S = 5
 
@@ -58,11 +58,9 @@ async def test_a_dead_gateways_replies_go_nowhere_else_and_expire(chaos_stack, c
         return await chaos_redis.xlen(stream) == 0
 
     await wait_until(orphan_answered, 5)
-    old = [ReplyMessage.decode(f[ENTRY_FIELD]).outputs for _id, f in await chaos_redis.xrange(old_stream)
-           if ENTRY_FIELD in f]
+    old = [r.outputs for _id, f in await chaos_redis.xrange(old_stream) for r in ReplyMessage.from_entry(f)]
     assert old == [["orphan"]]  # answered into the dead gateway's stream only
-    new = [ReplyMessage.decode(f[ENTRY_FIELD]).outputs for _id, f in await chaos_redis.xrange(new_stream)
-           if ENTRY_FIELD in f]
+    new = [r.outputs for _id, f in await chaos_redis.xrange(new_stream) for r in ReplyMessage.from_entry(f)]
     assert ["orphan"] not in new
 
     async def expired() -> bool:

@@ -72,8 +72,7 @@ async def test_a_failing_batch_of_entries_across_a_digit_boundary_is_answered_wh
         for _stream, entries in await redis_client.xread({reply_to: last_id}, block=500) or ():
             for entry_id, fields in entries:
                 last_id = entry_id
-                if ENTRY_FIELD in fields:
-                    reply = ReplyMessage.decode(fields[ENTRY_FIELD])
+                for reply in ReplyMessage.from_entry(fields):
                     replies[reply.request_id] = reply
     assert sorted(replies) == [f"burst-{seq}" for seq in range(4)], stack.logs()
     assert {r.error_code for r in replies.values()} == {"internal"}

@@ -52,8 +52,7 @@ async def test_a_reclaimed_request_of_many_long_forwards_is_served_not_taken_for
 
     async def answered() -> bool:
         assert worker.poll() is None, stack.logs()
-        replies.extend(ReplyMessage.decode(f[ENTRY_FIELD]) for _id, f in await redis_client.xrange(reply_to)
-                       if ENTRY_FIELD in f)
+        replies.extend(r for _id, f in await redis_client.xrange(reply_to) for r in ReplyMessage.from_entry(f))
         return bool(replies)
 
     await wait_until(answered, 90, interval_s=0.2)

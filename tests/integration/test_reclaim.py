@@ -30,7 +30,7 @@ async def enqueue(redis: aioredis.Redis, stream: str, reply_to: str, tag: str, v
 
 
 async def replies(redis: aioredis.Redis, reply_to: str) -> list[ReplyMessage]:
-    return [ReplyMessage.decode(f[ENTRY_FIELD]) for _id, f in await redis.xrange(reply_to) if ENTRY_FIELD in f]
+    return [r for _id, f in await redis.xrange(reply_to) for r in ReplyMessage.from_entry(f)]
 
 
 async def deliver_to(redis: aioredis.Redis, stream: str, consumer: str, times: int = 1) -> None:

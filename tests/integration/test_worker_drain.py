@@ -23,6 +23,6 @@ async def test_drain_serves_the_carried_over_entries(redis_client, start_worker,
     await wait_until(lambda: len(handle.worker.held_entries()) == 4, 5)  # 1 running + 3 carried
     assert await handle.stop() == ExitCode.OK
     entries = await redis_client.xrange(reply_to)
-    replies = [ReplyMessage.decode(f[ENTRY_FIELD]) for _id, f in entries if ENTRY_FIELD in f]
+    replies = [r for _id, f in entries for r in ReplyMessage.from_entry(f)]
     assert sorted(r.request_id for r in replies) == ["r0", "r1", "r2", "r3"] and all(r.ok for r in replies)
     assert (await redis_client.xpending(stream, GROUP))["pending"] == 0

@@ -8,7 +8,16 @@ import msgpack
 import numpy as np
 import pytest
 
-from vramguard.shared.protocol import ProtocolError, ReplyMessage, RequestId, RequestMessage, pack, unpack
+from vramguard.shared.protocol import (
+    ENTRY_FIELD,
+    REPLIES_FIELD,
+    ProtocolError,
+    ReplyMessage,
+    RequestId,
+    RequestMessage,
+    pack,
+    unpack,
+)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "float64", "int64", "int32", "uint8", "bool"])
@@ -71,3 +80,26 @@ def test_error_reply_round_trip() -> None:
 def test_malformed_requests_raise_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError):
         RequestMessage.decode(data)
+
+
+def test_a_batch_of_replies_round_trips_in_order_through_one_entry() -> None:
+    emb = np.arange(4, dtype=np.float32)
+    replies = [ReplyMessage(RequestId("a"), outputs=[emb], batch_size=3),
+               ReplyMessage.failure(RequestId("b"), "invalid_input", "bad"),
+               ReplyMessage(RequestId("c"), outputs=["x"], batch_size=3)]
+    back = ReplyMessage.from_entry({REPLIES_FIELD: ReplyMessage.encode_many(replies)})
+    assert [r.request_id for r in back] == ["a", "b", "c"]
+    np.testing.assert_array_equal(back[0].outputs[0], emb)  # type: ignore[index]
+    assert back[1].error_code == "invalid_input" and back[2].outputs == ["x"]
+
+
+def test_an_entry_of_one_reply_or_of_none_is_read_as_such() -> None:
+    reply = ReplyMessage(RequestId("a"), outputs=[1])
+    assert ReplyMessage.from_entry({ENTRY_FIELD: reply.encode()}) == [reply]
+    assert ReplyMessage.from_entry({b"init": b"1"}) == []
+
+
+@pytest.mark.parametrize("data", [b"\xc1", msgpack.packb({"v": 1}), msgpack.packb([{"v": 1, "request_id": "a"}, 7])])
+def test_a_malformed_batch_of_replies_raises_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        ReplyMessage.from_entry({REPLIES_FIELD: data})
