@@ -10,6 +10,7 @@ item, so Redis runs one EVALSHA (and whatever the script reads once) for the lot
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -122,20 +123,24 @@ class ScriptBatcher:
         return future
 
     def call_grouped(self, script: AsyncScript, keys: list[str], args: list[EncodableT],
-                     item_keys: list[str], item_args: list[EncodableT]) -> asyncio.Future[object]:
+                     item_keys: list[str], item_args: list[EncodableT], *,
+                     call_key: Callable[[], str] | None = None) -> asyncio.Future[object]:
         """Queue one item of a script that takes many: the calls of this pass with the same script,
         `keys` and `args` are sent as one call with every item's keys and args appended in call
         order (keys + item_keys..., args + item_args...). The script returns a list, one result per
         item; the future gets this item's (or the call's exception object, or the round trip's
         RedisError, as `call`). The group's place in the order is its first item's; a group holds
-        at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts)."""
+        at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts).
+        `call_key`: made once per call and put right after `keys` (keys + [call_key()] +
+        item_keys...): a key of the call's own, such as a record that a re-sent call finds."""
         loop = asyncio.get_running_loop()
         key = (script.sha, tuple(keys), tuple(args))
         size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
         group = self._groups.get(key)
         if group is None or len(group.futures) >= MAX_GROUP_ITEMS or (
                 group.futures and group.bytes + size > MAX_GROUP_BYTES):
-            group = self._groups[key] = _Group(ScriptCall(script, list(keys), list(args)))
+            leading = [*keys, call_key()] if call_key is not None else list(keys)
+            group = self._groups[key] = _Group(ScriptCall(script, leading, list(args)))
             group.outcome = self.call(script, group.call.keys, group.call.args)
             group.outcome.add_done_callback(group.resolve)
         group.call.keys.extend(item_keys)

@@ -13,7 +13,7 @@ import uuid
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from vramguard.gateway.backpressure import ThroughputMeter, retry_after_s
 from vramguard.gateway.coalesce import ScriptBatcher
@@ -38,51 +38,49 @@ from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, repl
 log = logging.getLogger(__name__)
 
 # Admission of every request one loop pass has ready for one model, in one script call, atomic,
-# on the model's hash slot only, and idempotent per request id.
-# KEYS: request stream, then each request's admission record (same slot: shared/keys.py). ARGV:
-# queue_bound, entry field, admission record TTL ms, queue_bound_bytes, then each packed request.
+# on the model's hash slot only, and idempotent per call.
+# KEYS: request stream, the call's record (same slot: shared/keys.py). ARGV: queue_bound, entry
+# field, record TTL ms, queue_bound_bytes, then each packed request.
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
-#   have run: the record (request id -> entry id, kept RETRY_WINDOW_S + 1 s) makes the re-sent
-#   script answer the first run's entry id instead of enqueueing, and counting, the request twice.
+#   have run: the call's record (its answer, msgpack, kept RETRY_WINDOW_S + 1 s) makes the
+#   re-sent call return the first run's answer instead of enqueueing, and counting, its requests
+#   twice. One record per call, not per request: its GET and SET are paid once for the call's
+#   requests. A call that added nothing leaves no record (running it again adds nothing twice).
 # - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
 #   bound nothing is added (never trim accepted entries to make room): {0, depth}, else {1, id}.
 # - The stream's bytes in Redis (MEMORY USAGE: the entries' listpacks, sampled) plus the entries
 #   this call adds must stay within queue_bound_bytes: {2, bytes held} past it.
-# - A record Redis cannot read (another type at its key) is that request's own error, {3, text},
-#   never the call's: the other requests of the call go on (pcall). The writes stay plain calls:
-#   OOM and READONLY refuse the first write of a script, so they fail the whole call before it
+# - OOM and READONLY refuse the first write of a script, so they fail the whole call before it
 #   has written anything, and the caller retries or answers each request of it.
 # XLEN and MEMORY USAGE are read once per call and advanced by what the call adds, so a call of
 # 64 requests answers each as 64 calls in a row would (the bytes by the packed requests' length:
 # each entry's few bytes of stream overhead are counted at the next call). Returns one
-# {status, value} per request, in KEYS order.
+# {status, value} per request, in ARGV order.
 ADMISSION = """
+local done = redis.call('GET', KEYS[2])
+if done then return cmsgpack.unpack(done) end
 local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
 local depth = redis.call('XLEN', KEYS[1])
 local held = nil
+local added = false
 local out = {}
-for i = 2, #KEYS do
-  local packed = ARGV[i + 3]
-  local first = redis.pcall('GET', KEYS[i])
-  if type(first) == 'table' then
-    out[i - 1] = {3, first.err}
-  elseif first then
-    out[i - 1] = {1, first}
-  elseif depth >= bound then
-    out[i - 1] = {0, depth}
+for i = 5, #ARGV do
+  local packed = ARGV[i]
+  if depth >= bound then
+    out[i - 4] = {0, depth}
   else
     if held == nil then held = redis.call('MEMORY', 'USAGE', KEYS[1]) or 0 end
     if held + string.len(packed) > bound_bytes then
-      out[i - 1] = {2, held}
+      out[i - 4] = {2, held}
     else
-      local id = redis.call('XADD', KEYS[1], '*', field, packed)
-      redis.call('SET', KEYS[i], id, 'PX', ttl)
+      out[i - 4] = {1, redis.call('XADD', KEYS[1], '*', field, packed)}
       depth = depth + 1
       held = held + string.len(packed)
-      out[i - 1] = {1, id}
+      added = true
     end
   end
 end
+if added then redis.call('SET', KEYS[2], cmsgpack.pack(out), 'PX', ttl) end
 return out
 """
 
@@ -298,7 +296,8 @@ class Dispatcher:
             self._scripts.call_grouped(self._admission, [self._keys.request_stream(model)],
                                        [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS,
                                         config.queue_bound_bytes],
-                                       [self._keys.admission(model, message.request_id)], [message.encode()]),
+                                       [], [message.encode()],
+                                       call_key=lambda: self._keys.admission(model, uuid.uuid4().hex)),
             return_exceptions=True,  # both always finish; the first error is raised below
         )
         recreated, admitted = results
@@ -316,8 +315,6 @@ class Dispatcher:
                 f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
-        if status == 3:  # this request's admission record is unreadable; the call's others went on
-            raise ResponseError(value.decode(errors="replace") if isinstance(value, bytes) else str(value))
         if status == 2:
             raise QueueFullError(  # no entry count to rate: a second, as for a queue that drains at all
                 f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "

@@ -6,7 +6,7 @@
     <prefix>:hb:{<worker_id>}     heartbeat hash (with a TTL)
     <prefix>:alive:{<worker_id>}  the liveness probe's write test, when a heartbeat is stale (1 s TTL)
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
-    <prefix>:adm:{<model>}:<request_id>   admission record: the request's entry id, for a re-sent XADD (short TTL)
+    <prefix>:adm:{<model>}:<call_id>      admission record: one admission call's answer, for a re-sent call (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
     <prefix>:placement            a `vramguard up` stack's placed worker processes and their last exits (hash)
     <prefix>:startfail:{<model>}  hash worker_id -> why its last start failed (JSON; expires)
@@ -52,8 +52,10 @@ class Keys:
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{{{model}}}"
 
-    def admission(self, model: str, request_id: str) -> str:
-        return f"{self.prefix}:adm:{{{model}}}:{request_id}"
+    def admission(self, model: str, call_id: str) -> str:
+        """The record of one admission call (gateway/dispatch.py ADMISSION): its answer, kept for
+        a re-sent call to find; on the model's slot, as the call's request stream."""
+        return f"{self.prefix}:adm:{{{model}}}:{call_id}"
 
     def claim_record(self, model: str, worker_id: str) -> str:
         return f"{self.prefix}:claim:{{{model}}}:{worker_id}"

