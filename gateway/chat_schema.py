@@ -28,7 +28,8 @@ MAX_STOP = 4  # OpenAI's limit
 DEFAULT_MAX_TOKENS = {"chat": 256, "text": 16}  # OpenAI's completions default is 16
 
 # What the two routes take; any other top-level key is answered 400 naming it (tool calls,
-# several choices, logprobs, penalties, response formats, beam search are not supported).
+# several choices, logprobs, penalties, response formats, beam search are not supported; NEUTRAL
+# below lists the ones accepted at the value that asks for none of it).
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                     "n", "user"})
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
