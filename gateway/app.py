@@ -1,8 +1,9 @@
 """The FastAPI application: `create_app(settings)` wires Redis, the ReplyListener, Health and
 the Dispatcher in its lifespan, and renders every error with the status from shared/errors.py in
 the shape of the route's protocol: `{"error": {"code", "message", "request_id"}}` (native),
-`{"error": "<message>"}` (KServe v2, /v2/...), OpenAI's (/v1/embeddings). No redirects: a
-trailing slash is a 404 like any unknown path."""
+`{"error": "<message>"}` (KServe v2, /v2/...), OpenAI's (/v1/embeddings, chat and completions,
+paths under /v1/ that no route serves). No redirects: a trailing slash is a 404 like any unknown
+path."""
 
 from __future__ import annotations
 
@@ -195,16 +196,19 @@ def _error_headers(exc: VramguardError) -> dict[str, str]:
 
 
 def render_error(
-    request: Request, status: int, code: str, message: str, headers: Mapping[str, str] | None = None
+    request: Request, status: int, code: str, message: str, headers: Mapping[str, str] | None = None,
+    *, unrouted: bool = False,
 ) -> JSONResponse:
-    """An error response in the shape of the protocol the request's path speaks."""
+    """An error response in the shape of the protocol the request's path speaks. `unrouted`: no
+    route serves the path (or not its method); under /v1/ that is OpenAI's shape, the one a client
+    of a route we lack (an `openai` client's /v1/responses) reads, and a superset of ours."""
     request_id = _request_id(request)
     path = request.url.path
     body: object
     if path == "/v2" or path.startswith("/v2/"):
         body = kserve.error_body(message)
         status = 400 if status == 422 else status  # v2 (Triton) answers 400 to every invalid request
-    elif path == openai_compat.PATH or path in chat.PATHS:
+    elif path == openai_compat.PATH or path in chat.PATHS or unrouted and path.startswith("/v1/"):
         status = 400 if status == 422 and path in chat.PATHS else status  # OpenAI answers 400 to invalid requests
         body = openai_compat.error_body(status, code, message, request_id)
     else:
@@ -240,7 +244,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own 404 (no route) and 405 (wrong method, with its Allow header), in our format.
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        return render_error(request, exc.status_code, _http_code(exc.status_code), message, exc.headers)
+        return render_error(request, exc.status_code, _http_code(exc.status_code), message, exc.headers,
+                            unrouted=True)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

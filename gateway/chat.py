@@ -106,7 +106,8 @@ def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, win
         raise BadBodyError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's context window of "
                            f"{window} tokens")
     if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
-        raise BadBodyError(f"messages: {chars} characters cannot fit the model's context window of {window} tokens")
+        field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        raise BadBodyError(f"{field}: {chars} characters cannot fit the model's context window of {window} tokens")
     return prompt, max_tokens
 
 

@@ -8,7 +8,17 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    field_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from vramguard.gateway.edge import BadBodyError
 from vramguard.shared.errors import InvalidInputError
@@ -18,22 +28,52 @@ MAX_STOP = 4  # OpenAI's limit
 DEFAULT_MAX_TOKENS = {"chat": 256, "text": 16}  # OpenAI's completions default is 16
 
 # What the two routes take; any other top-level key is answered 400 naming it (tool calls,
-# several choices, logprobs, penalties, response formats, beam search are not supported).
+# several choices, logprobs, penalties, response formats, beam search are not supported; NEUTRAL
+# below lists the ones accepted at the value that asks for none of it).
 COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options",
                     "n", "user"})
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_KEYS = COMMON | {"prompt"}
+# Parameters many clients send at their neutral value, which asks for nothing this server lacks:
+# such a key is dropped; any other value of it is refused like an unsupported parameter.
+NEUTRAL = {"logprobs": "false", "presence_penalty": "0", "frequency_penalty": "0"}
 
 
 StopString = Annotated[StrictStr, Field(min_length=1)]
 
 
 class Message(BaseModel):
+    """One chat message. Role `developer` (OpenAI's newer name for `system`) is read as `system`;
+    content given as a list of text parts is their texts joined by newlines (as vLLM joins them)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: StrictStr
     name: StrictStr | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _developer_is_system(cls, value: str) -> str:
+        return "system" if value == "developer" else value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, value: object) -> object:
+        if not isinstance(value, list):
+            return value
+        if not value:
+            raise PydanticCustomError("content_parts", "a list of content parts needs at least one part")
+        texts = []
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                raise PydanticCustomError("content_part_type", "a content part of type {kind} is not supported by "
+                                          "this server (text parts only)", {"kind": repr(kind)[:40]})
+            if not isinstance(part.get("text"), str) or set(part) - {"type", "text"}:
+                raise PydanticCustomError("content_part", 'a text part is {"type": "text", "text": "<string>"}')
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class StreamOptions(BaseModel):
@@ -53,11 +93,19 @@ class Sampling(BaseModel):
     top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
     # int64, as OpenAI documents it; past that the value cannot travel in the msgpack request
     seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = None
-    stop: StrictStr | Annotated[list[StopString], Field(max_length=MAX_STOP)] | None = None
+    stop: StopString | list[StopString] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1
     user: StrictStr | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _at_most_four(cls, value: object) -> object:
+        if isinstance(value, list) and len(value) > MAX_STOP:
+            raise PydanticCustomError("too_many_stop", "at most {limit} stop strings are allowed (OpenAI's limit), "
+                                      "not {count}", {"limit": MAX_STOP, "count": len(value)})
+        return value
 
     def stop_list(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -87,15 +135,47 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     if not isinstance(data, dict):
         raise BadBodyError("body must be a JSON object")
     allowed = CHAT_KEYS if kind == "chat" else TEXT_KEYS
+    data = {k: v for k, v in data.items() if not _is_neutral(k, v)}
     unsupported = sorted(k[:60] for k in data if k not in allowed)
     if unsupported:
-        raise BadBodyError(f"{unsupported[0]}: not supported by this server: {', '.join(unsupported)} "
+        only = f" (only {NEUTRAL[unsupported[0]]} is accepted)" if unsupported[0] in NEUTRAL else ""
+        raise BadBodyError(f"{unsupported[0]}: not supported by this server{only}: {', '.join(unsupported)} "
                            f"(supported: {', '.join(sorted(allowed))})")
     if data.get("n", 1) != 1:
         raise BadBodyError("n: only n = 1 (one choice) is supported")
     try:
         return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"][:3]) or "body"
-        raise InvalidInputError(f"{where}: {first['msg']}") from None
+        error = _telling_error(exc.errors())
+        raise InvalidInputError(f"{_field_path(data, error['loc'])}: {error['msg']}") from None
+
+
+def _is_neutral(key: str, value: object) -> bool:
+    """Whether `key: value` is a NEUTRAL parameter at its neutral value (or null, its default)."""
+    if key not in NEUTRAL or value is None:
+        return key in NEUTRAL
+    if key == "logprobs":
+        return value is False
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+
+
+def _telling_error(errors: list[ErrorDetails]) -> ErrorDetails:
+    """The error to report. A value checked against a union (`stop`: a string or a list) fails
+    each member; the member of the value's own JSON type says what is wrong with it, while the
+    others only say it is not of their type (`*_type` errors), so those come last."""
+    return min(errors, key=lambda e: e["type"].endswith("_type"))
+
+
+def _field_path(data: object, loc: tuple[int | str, ...]) -> str:
+    """`loc` as the body's own path (`messages.0.content`): a step that does not index the body
+    (the name pydantic gives a union member, such as `constrained-str`) is left out."""
+    path, value = [], data
+    for step in loc[:4]:
+        if isinstance(value, dict) and step in value:
+            value = value[step]
+        elif isinstance(value, list) and isinstance(step, int):
+            value = value[step] if step < len(value) else None
+        else:
+            continue
+        path.append(str(step))
+    return ".".join(path) or "body"

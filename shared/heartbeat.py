@@ -9,6 +9,7 @@ fleet during a rolling restart must not break the gateway. No torch or FastAPI i
 
 from __future__ import annotations
 
+import json
 import math
 import types
 import typing
@@ -119,8 +120,11 @@ class WorkerBeat:
         return cls(**values)
 
     def as_json(self, *, with_histograms: bool = False) -> dict[str, object]:
-        """The record for JSON responses: numbers as numbers; histograms only when asked."""
+        """The record for JSON responses: numbers as numbers, `generation` as the object its JSON
+        holds (null for a model that does not generate, or a beat whose JSON is malformed);
+        histograms only when asked."""
         data = asdict(self)
+        data["generation"] = _json_object(self.generation)
         if not with_histograms:
             data.pop(HISTOGRAM_FIELD)
         return data
@@ -133,6 +137,14 @@ class WorkerBeat:
 
 _INVALID = object()
 _HINTS = typing.get_type_hints(WorkerBeat)
+
+
+def _json_object(text: str) -> dict[str, object] | None:
+    try:
+        value = json.loads(text) if text else None
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _text(value: bytes | str) -> str:

@@ -177,6 +177,27 @@ def test_bad_bodies_refused_before_queueing(gen: GenStack) -> None:
     assert gen.queued_entries() == before
 
 
+def test_neutral_openai_values_are_answered_as_the_plain_body(gen: GenStack) -> None:
+    """logprobs false, penalties 0, role developer (OpenAI's newer name for system) and content as
+    a list of text parts (joined by newlines) ask for nothing this server lacks: greedy decoding
+    gives the plain body's text."""
+    client = _client(gen)
+    kw = {"model": "smollm2", "max_tokens": 8, "temperature": 0}
+    plain = client.chat.completions.create(messages=[  # type: ignore[call-overload]
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": "What is the capital of France?\nAnswer:"}], **kw)
+    neutral = client.chat.completions.create(messages=[  # type: ignore[call-overload]
+        {"role": "developer", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "text", "text": "What is the capital of France?"},
+                                     {"type": "text", "text": "Answer:"}]}],
+        logprobs=False, presence_penalty=0, frequency_penalty=0, **kw)
+    assert neutral.choices[0].message.content == plain.choices[0].message.content != ""
+    assert neutral.usage.prompt_tokens == plain.usage.prompt_tokens
+    text = client.completions.create(model="smollm2", prompt=STORY, max_tokens=4, temperature=0,
+                                     presence_penalty=0, frequency_penalty=0)
+    assert text.usage is not None and text.usage.completion_tokens == 4
+
+
 async def test_a_worker_generating_past_its_probe_window_stays_ready(gen: GenStack) -> None:
     """1. Readiness calls a worker live while its last probe or batch is younger than
        2 x probe_interval_s + heartbeat_ttl_ms (3 s in this stack); a busy worker does not probe.
@@ -278,7 +299,7 @@ async def test_client_leaving_a_whole_completion_stops_its_sequence(gen: GenStac
 
 def test_model_page_shows_the_kv_plan(gen: GenStack) -> None:
     workers = httpx.get(gen.url + "/v1/models/smollm2").json()["workers"]
-    generation = json.loads(next(iter(workers.values()))["generation"])
+    generation = next(iter(workers.values()))["generation"]  # a JSON object, not JSON text in a string
     plan = generation["kv_plan"]
     # SmolLM2-135M: 2 (keys, values) x 30 layers x 3 kv heads x 64 dims x 4 bytes (float32)
     assert plan["bytes_per_token"] == plan["measured_bytes_per_token"] == 2 * 30 * 3 * 64 * 4

@@ -137,3 +137,56 @@ async def test_openapi_describes_bodies_and_errors(gateway: httpx.AsyncClient) -
     v2_statuses = {status for path, operations in schema["paths"].items() if path.startswith("/v2")
                    for operation in operations.values() for status in operation["responses"]}
     assert "400" in v2_statuses and "422" not in v2_statuses
+
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+CHAT_BODY = {"model": "smollm2", "messages": [{"role": "user", "content": "hi"}]}
+TEXT_BODY = {"model": "smollm2", "prompt": "hi"}
+# (route, what the body changes, the error's `param`, words its message holds)
+REFUSED_GENERATIONS: list[tuple[str, dict[str, object], str, str]] = [
+    (CHAT, {"logprobs": True}, "logprobs", "not supported"),
+    (CHAT, {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    (TEXT, {"frequency_penalty": -1}, "frequency_penalty", "not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
+     "messages.0.content", "'image_url' is not supported"),
+    (CHAT, {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
+    (CHAT, {"stop": ""}, "stop", "at least 1 character"),
+    (CHAT, {"stop": ["a", ""]}, "stop.1", "at least 1 character"),
+    (TEXT, {"prompt": ""}, "prompt", "at least 1 character"),
+    (TEXT, {"prompt": 5}, "prompt", "valid string"),
+    (TEXT, {"prompt": ["a", "b"]}, "prompt", "at most 1 item"),
+    (TEXT, {"prompt": "x" * 2_000_000}, "prompt", "2000000 characters"),
+]
+
+
+async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
+        settings_factory: Callable[..., Settings]) -> None:
+    """No worker runs here, so a body past every check is 503. OpenAI's neutral values (logprobs
+    false, penalties 0, role developer, text content parts) pass; anything else is 400 in OpenAI's
+    shape whose `param` and message name the body's own field, not a pydantic type name."""
+    async with gateway_with(settings_factory(served_models="smollm2")) as gateway:
+        for path, change, param, words in REFUSED_GENERATIONS:
+            response = await gateway.post(path, json={**(CHAT_BODY if path == CHAT else TEXT_BODY), **change})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["param"] == param, (change.keys(), response.text[:300])
+            assert error["message"].startswith(f"{param}: ") and words in error["message"], error["message"]
+        neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0}
+        parts = [{"role": "developer", "content": "Be brief."},
+                 {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+        for path, body in ((CHAT, {**CHAT_BODY, **neutral}), (CHAT, {**CHAT_BODY, "messages": parts}),
+                           (TEXT, {**TEXT_BODY, **neutral})):
+            response = await gateway.post(path, json=body)
+            assert response.status_code == 503, response.text  # past every check: no worker here
+
+
+async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: httpx.AsyncClient) -> None:
+    for method, path in (("GET", "/v1/nope"), ("POST", "/v1/responses"), ("POST", "/v1/chat/completions/")):
+        response = await gateway.request(method, path, json={})
+        error = response.json()["error"]
+        assert response.status_code == 404 and error["code"] == "not_found", (path, response.text)
+        assert error["type"] == "invalid_request_error" and error["param"] is None and path in error["message"]
+    for path in (CHAT, TEXT, "/v1/embeddings"):
+        response = await gateway.post(path, content=b"{not json", headers=JSON)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["type"] == "invalid_request_error", (path, response.text)
+        assert error["param"] is None and "JSON" in error["message"] and error["code"] == "invalid_input"

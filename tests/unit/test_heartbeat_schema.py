@@ -31,3 +31,10 @@ def test_json_form_has_numbers_not_strings_and_no_histograms_unless_asked() -> N
     data = WorkerBeat.from_hash({"requests": "200", "oom_events": "0", "histograms": "{}"}).as_json()
     assert data["requests"] == 200 and data["oom_events"] == 0 and "histograms" not in data
     assert set(data) == set(beat_field_names()) - {"histograms"}
+
+
+def test_json_form_has_the_generation_stats_as_an_object() -> None:
+    generating = WorkerBeat(worker_id="w", generation='{"running": 2, "kv_plan": {"tokens_fit": 10}}').as_json()
+    assert generating["generation"] == {"running": 2, "kv_plan": {"tokens_fit": 10}}
+    assert WorkerBeat(worker_id="w").as_json()["generation"] is None  # a model that does not generate
+    assert WorkerBeat(worker_id="w", generation="{broken").as_json()["generation"] is None
