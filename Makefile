@@ -29,7 +29,7 @@ TRITON_PYTHON ?= /usr/bin/python3.11
 .PHONY: up down status test test-fast lint bench clean help
 
 help:
-	@echo "make up [MODEL=minilm|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
+	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
 	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000]  start Redis, gateway and workers (foreground;"
 	@echo "                                               logs in .run/PORT/): vramguard up"
 	@echo "make down [PORT=8000] / make status            stop / show the stack of .run/PORT/ (vramguard down/status)"
