@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import platform
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -164,12 +165,38 @@ def test_check_reports_redis_its_eviction_policy_and_the_placement(vramguard: Ca
                                                                    own_redis: RedisServer) -> None:
     """1. `vramguard check` against a Redis with maxmemory-policy noeviction, then allkeys-lru,
        then against a port where nothing listens. Result: exit 0, 1, 1, with a line saying why."""
-    good = vramguard("check", "--model", "synthetic", "--workers-per-gpu", "2", redis_url=own_redis.url)
+    good = vramguard("check", "--model", "synthetic", "--workers-per-gpu", "2", "--port", str(free_port()),
+                     redis_url=own_redis.url)
     assert good.returncode == 0, good
     assert "answers, maxmemory-policy noeviction" in good.stdout
     assert "placement: worker-synthetic-cpu: 2 x synthetic on the CPU" in good.stdout
     redis.Redis(port=own_redis.port).config_set("maxmemory-policy", "allkeys-lru")
-    evicting = vramguard("check", redis_url=own_redis.url)
+    evicting = vramguard("check", "--port", str(free_port()), redis_url=own_redis.url)
     assert evicting.returncode == 1 and "FAIL redis:" in evicting.stdout and "allkeys-lru" in evicting.stdout
-    away = vramguard("check", redis_url=f"redis://127.0.0.1:{free_port()}/0")
+    away = vramguard("check", "--port", str(free_port()), redis_url=f"redis://127.0.0.1:{free_port()}/0")
     assert away.returncode == 1 and "does not answer" in away.stdout, away
+
+
+def test_check_fails_on_a_taken_port_and_a_backend_package_not_installed(vramguard: Callable[..., Ran],
+                                                                         own_redis: RedisServer,
+                                                                         tmp_path: Path) -> None:
+    """1. `vramguard check` for a model whose backend's package is not installed, with a Redis
+       that answers and a free gateway port.
+    2. The same for synthetic, with the gateway's port already taken.
+    Result: exit 1 each time, a FAIL line naming the missing package, then the taken port; the
+    installed packages of synthetic's backend are listed ok."""
+    models = tmp_path / "models.toml"
+    models.write_text('[mine]\nbackend = "not_installed_pkg.serving:Mine"\ndescription = "d"\ninput_kind = "json"\n'
+                      'output = { kind = "json" }\n')
+    missing = vramguard("check", "--model", "mine", "--port", str(free_port()), redis_url=own_redis.url,
+                        models_file=str(models))
+    assert missing.returncode == 1, missing
+    assert "FAIL packages: mine needs not_installed_pkg, not installed here" in missing.stdout
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        busy = vramguard("check", "--model", "synthetic", "--port", str(port), redis_url=own_redis.url)
+    assert busy.returncode == 1, busy
+    assert f"FAIL port {port} (gateway) is taken" in busy.stdout
+    assert "ok   packages: synthetic: torch installed" in busy.stdout

