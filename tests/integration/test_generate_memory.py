@@ -59,6 +59,11 @@ async def test_64_long_generations_on_a_small_simulated_device(stack: Stack, tmp
             return generation["finished"] >= 64 and generation["kv_bytes_used"] == 0  # type: ignore[no-any-return]
 
         await wait_until(all_counted, 20)
+
+        async def nothing_reserved() -> bool:  # idle: the finished sequences' reservations are gone
+            return (await beat())["generation"]["kv_bytes_reserved"] == 0  # type: ignore[no-any-return]
+
+        await wait_until(nothing_reserved, 10)
         worker = await beat()
     generation = worker["generation"]
     plan = generation["kv_plan"]

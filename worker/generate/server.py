@@ -233,6 +233,10 @@ class GenerationServer:
             self._pending.popleft()
             seq.started_ms = monotonic_ms()
             self._engine.add(seq)
+        self._note_reserved()
+
+    def _note_reserved(self) -> None:
+        """stats.kv_bytes_reserved: what the KV plan holds for the sequences in the engine now."""
         self.stats.kv_bytes_reserved = self.plan.reserved_bytes(
             s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining)))
 
@@ -240,6 +244,14 @@ class GenerationServer:
 
     async def step(self, redis: aioredis.Redis) -> None:
         """Drop cancelled and expired sequences, resend what resumed ones owe, run one step, publish."""
+        try:
+            await self._step(redis)
+        finally:
+            # After the step, not only at admission: an idle worker reports the reservations of
+            # the sequences that just finished otherwise, until the next request.
+            self._note_reserved()
+
+    async def _step(self, redis: aioredis.Redis) -> None:
         await self._drop_gone(redis)
         self.admit()
         # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
