@@ -11,10 +11,13 @@ not sent there.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import logging
 import multiprocessing
 import os
+import signal
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 
@@ -47,6 +50,23 @@ def count_json_values(body: bytes) -> int | None:
     return count
 
 
+# prctl(2)'s option that has the kernel signal a process when the thread that made it ends: the
+# helper is made by the event loop's thread (`start`, `check`), which lives as long as the gateway.
+PR_SET_PDEATHSIG = 1
+
+
+def _start_helper(gateway_pid: int) -> None:
+    """The helper process's first step. Niced: on a busy host the event loop's process, not the
+    counting, gets the CPU first. On Linux the kernel kills it when the gateway dies, even by
+    SIGKILL: its queue's pipes stay open in the helper itself, so without this it (and
+    multiprocessing's resource tracker behind it) would outlive the gateway, orphaned."""
+    os.nice(10)
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != gateway_pid:  # the gateway died before prctl took effect
+        os._exit(0)
+
+
 class JsonCounter:
     """Refuses, off the event loop, a JSON body of more than `max_values` values (`check`). One
     helper process (spawned, so it shares nothing with the loop's threads), started by `start`;
@@ -59,9 +79,8 @@ class JsonCounter:
     def start(self) -> None:
         """Start the helper process in the background (a spawned interpreter takes a second or
         more to start), so the first large body does not wait for all of it."""
-        # Niced: on a busy host the event loop's process, not the counting, gets the CPU first.
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=os.nice, initargs=(10,))
+                                         initializer=_start_helper, initargs=(os.getpid(),))
         self._pool.submit(count_json_values, b"[]")
 
     def stop(self) -> None:
