@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from vramguard.gateway.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
 from vramguard.gateway.disconnect import unless_disconnected
 from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
-from vramguard.gateway.inference import dispatcher_of, inference_request, settings_of
+from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
 from vramguard.gateway.prompt_tokens import PromptTokens
 from vramguard.gateway.render import FastJSONResponse
 from vramguard.gateway.replies import ReplyStream
@@ -57,7 +57,9 @@ async def completions(request: Request, x_request_timeout_ms: Annotated[str | No
 
 async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Response:
     require_media_type(request, {JSON})
-    body = parse_body(await read_body(request, settings_of(request).max_body_bytes), kind)
+    raw = await read_body(request, settings_of(request).max_body_bytes)
+    await check_json_cost(request, raw)  # before json.loads: 8 MiB of `[],` is a second of the loop's time
+    body = parse_body(raw, kind)
     with inference_request(request, body.model) as record:
         settings = settings_of(request)
         spec = settings.spec_for(body.model)

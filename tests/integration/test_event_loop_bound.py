@@ -136,7 +136,22 @@ def worst_bodies() -> list[tuple[str, str, bytes, dict[str, str]]]:
          bytes_head + bytes(empty_elements * 4), {"Inference-Header-Content-Length": str(len(bytes_head))}),
         ("openai: millions of token ids", "/v1/embeddings",
          b'{"model": "minilm", "input": [' + zeros + b"]}", json_type),
+        ("openai: chat messages of millions of empty lists", "/v1/chat/completions",
+         b'{"model": "synthetic", "messages": [' + empties + b"]}", json_type),
+        ("openai: a completion prompt of millions of token ids", "/v1/completions",
+         b'{"model": "synthetic", "prompt": [' + zeros + b"]}", json_type),
     ]
+
+
+@pytest.mark.parametrize(("path", "field"), [("/v1/chat/completions", "messages"), ("/v1/completions", "prompt")])
+async def test_the_generation_routes_count_a_large_bodys_json_values_before_parsing_it(
+        client: httpx.AsyncClient, path: str, field: str) -> None:
+    """A 300 KB body of 100,000 empty lists (past VRAMGUARD_MAX_JSON_VALUES' 65,536) gets 413
+    from the count made off the event loop, before the route's own parser builds them on it."""
+    body = b'{"model": "synthetic", "' + field.encode() + b'": [' + b"[]," * 100_000 + b"[]]}"
+    response = await client.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413, response.text
+    assert "JSON values" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(("name", "path", "body", "headers"), worst_bodies(), ids=[b[0] for b in worst_bodies()])
