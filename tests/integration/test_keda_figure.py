@@ -13,7 +13,7 @@ from tests.helpers import Stack, wait_until
 from tests.keda import desired_replicas, figure, queue_figure, stream_triggers
 from vramguard.shared.clock import now_ms
 from vramguard.shared.keys import Keys
-from vramguard.shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
+from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
 
 WORKERS = 3
 MAX_BATCH_SIZE = 4
@@ -59,11 +59,12 @@ async def test_the_scaled_objects_figure_grows_with_the_backlog_of_three_overloa
         queued += REQUESTS_PER_STEP
         await asyncio.sleep(0.5)
         async with redis_client.pipeline(transaction=True) as pipe:  # one consistent view
-            pipe.xlen(reply_to)
+            pipe.xrange(reply_to)  # a batch's replies to one stream share an entry: count the replies
             for meta in triggers:
                 queue_figure(pipe, meta, stream)
-            replies, *figures = await pipe.execute()
-        samples.append((queued - (replies - 1), [figure(m, f) for m, f in zip(triggers, figures, strict=True)]))
+            entries, *figures = await pipe.execute()
+        replies = sum(len(ReplyMessage.from_entry(fields)) for _id, fields in entries)
+        samples.append((queued - replies, [figure(m, f) for m, f in zip(triggers, figures, strict=True)]))
     for backlog, figures in samples:  # a batch's reply may be out while its entry is not yet deleted
         assert all(backlog <= figure <= backlog + WORKERS * MAX_BATCH_SIZE for figure in figures), samples
     for i, meta in enumerate(triggers):
