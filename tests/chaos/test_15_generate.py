@@ -9,6 +9,8 @@
    returns to its idle size, the heartbeat counts it cancelled.
 5. SIGKILL of the worker mid-stream (greedy, then seeded sampling): supervisord restarts it, the
    successor resumes from the progress in Redis; the client's text equals an uncrashed run's.
+6. The request stream lost, as by a Redis restarted empty: the worker recreates its consumer
+   group (its reads failed with NOGROUP for good) and answers again.
 
 Result: every assertion above; each scenario names its own.
 """
@@ -355,3 +357,19 @@ async def test_worker_sigkill_mid_stream_loses_and_repeats_nothing(gen: GenStack
     log = gen.worker.worker_log.read_text()
     assert "sequence resumed" in log
     _ready(gen.url, 300)
+
+
+async def test_worker_recreates_its_group_when_redis_lost_the_stream(gen: GenStack) -> None:
+    # As after a Redis restarted empty: the request stream, and its consumer group with it, gone.
+    stream = gen.keys.request_stream("smollm2")
+    gen.redis.delete(stream)
+
+    def group_back() -> bool:
+        return gen.redis.exists(stream) == 1 and any(g["name"] == b"workers" for g in gen.redis.xinfo_groups(stream))
+
+    await wait_until(group_back, 60)
+    body = {"model": "smollm2", "prompt": STORY, "max_tokens": 2, "temperature": 0}
+    async with httpx.AsyncClient(base_url=gen.url, timeout=300) as client:
+        response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"]

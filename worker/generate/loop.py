@@ -7,12 +7,13 @@ only when nothing runs. A signal stops reading; the running sequences finish wit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from vramguard.worker.generate.server import GenerationServer, build_kv_plan
 from vramguard.worker.memory import MemoryBudget
@@ -78,6 +79,11 @@ class GenerationLoop:
             except RedisError as exc:
                 failures += 1
                 log.warning("generation round failed", extra={"error": str(exc), "failures": failures})
+                if isinstance(exc, ResponseError) and "NOGROUP" in str(exc):
+                    # Redis restarted empty (or the stream was deleted): the group is gone with the
+                    # stream, and every later read would fail the same way until it exists again.
+                    with contextlib.suppress(RedisError):
+                        await w.ensure_group(redis)
                 await asyncio.sleep(backoff.compute(failures))
 
     async def _round(self, redis: aioredis.Redis, blocking: aioredis.Redis, *, reading: bool) -> None:
