@@ -5,7 +5,6 @@ does not support are refused by name (400), never ignored. Never imports torch.
 
 from __future__ import annotations
 
-import json
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -18,7 +17,7 @@ from pydantic import (
     ValidationError,
     field_validator,
 )
-from pydantic_core import ErrorDetails, PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError, from_json
 
 from vramguard.gateway.edge import BadBodyError
 from vramguard.shared.errors import InvalidInputError
@@ -129,8 +128,10 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     out of range or of the wrong type, naming the field.
     """
     try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        # pydantic's parser, not json.loads: it refuses a lone UTF-16 surrogate ("\ud800"), which
+        # no tokenizer can encode, and answers nesting past its limit instead of RecursionError.
+        data = from_json(raw)
+    except ValueError as exc:
         raise BadBodyError(f"body is not UTF-8 JSON: {exc}") from None
     if not isinstance(data, dict):
         raise BadBodyError("body must be a JSON object")

@@ -185,8 +185,11 @@ async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: ht
         error = response.json()["error"]
         assert response.status_code == 404 and error["code"] == "not_found", (path, response.text)
         assert error["type"] == "invalid_request_error" and error["param"] is None and path in error["message"]
-    for path in (CHAT, TEXT, "/v1/embeddings"):
-        response = await gateway.post(path, content=b"{not json", headers=JSON)
+    # A lone surrogate no tokenizer encodes; nesting deeper than any parser recurses (was 500).
+    lone = b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}'
+    for path, body in [(p, b"{not json") for p in (CHAT, TEXT, "/v1/embeddings")] + [
+            (CHAT, lone), (TEXT, b'{"model": "smollm2", "prompt": "\\udfff"}'), (CHAT, b"[" * 50_000)]:
+        response = await gateway.post(path, content=body, headers=JSON)
         error = response.json()["error"]
         assert response.status_code == 400 and error["type"] == "invalid_request_error", (path, response.text)
         assert error["param"] is None and "JSON" in error["message"] and error["code"] == "invalid_input"
