@@ -32,7 +32,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     watch = _Watch(request, handler)
     start = asyncio.get_running_loop().call_later(WATCH_AFTER_S, watch.start)
     try:
-        return await work
+        result = await work
     except asyncio.CancelledError:
         # Ours only when the watcher cancelled, and nothing else has asked the handler to stop.
         if watch.gone and handler.uncancel() == 0:
@@ -41,6 +41,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     finally:
         start.cancel()
         watch.stop()
+    if watch.gone:  # the work ended as the cancel came and swallowed it (Python 3.11's wait_for can)
+        handler.uncancel()
+        raise ClientGoneError("the client disconnected before its answer")
+    return result
 
 
 class _Watch:
