@@ -12,6 +12,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -88,8 +89,9 @@ class Sampling(BaseModel):
 
     model: StrictStr
     max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    # Strict: an int is a number, but true or "0.5" is refused as OpenAI refuses it.
+    temperature: Annotated[StrictFloat, Field(ge=0, le=2)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
     # int64, as OpenAI documents it; past that the value cannot travel in the msgpack request
     seed: Annotated[StrictInt, Field(ge=-(2**63), le=2**63 - 1)] | None = None
     stop: StopString | list[StopString] | None = None
@@ -142,7 +144,7 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
         only = f" (only {NEUTRAL[unsupported[0]]} is accepted)" if unsupported[0] in NEUTRAL else ""
         raise BadBodyError(f"{unsupported[0]}: not supported by this server{only}: {', '.join(unsupported)} "
                            f"(supported: {', '.join(sorted(allowed))})")
-    if data.get("n", 1) != 1:
+    if data.get("n", 1) != 1 or isinstance(data.get("n"), bool):  # true == 1 in Python, not in OpenAI's API
         raise BadBodyError("n: only n = 1 (one choice) is supported")
     try:
         return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)

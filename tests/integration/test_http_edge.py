@@ -156,6 +156,9 @@ REFUSED_GENERATIONS: list[tuple[str, dict[str, object], str, str]] = [
     (TEXT, {"prompt": 5}, "prompt", "valid string"),
     (TEXT, {"prompt": ["a", "b"]}, "prompt", "at most 1 item"),
     (TEXT, {"prompt": "x" * 2_000_000}, "prompt", "2000000 characters"),
+    (CHAT, {"temperature": True}, "temperature", "valid number"),
+    (TEXT, {"top_p": "0.5"}, "top_p", "valid number"),
+    (CHAT, {"n": True}, "n", "only n = 1"),
 ]
 
 
