@@ -141,9 +141,10 @@ async def test_gateway_shutdown_ends_an_open_stream_with_an_error_event(stack: S
     async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
         async with client.stream("POST", "/v1/completions", json=body) as response:
             async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    events.append(json.loads(line[6:]))
-                if len(events) == 5:
+                if not line.startswith("data: {"):
+                    continue  # the blank line after each event must not signal a second time
+                events.append(json.loads(line[6:]))
+                if len(events) == 5:  # one SIGTERM: a second one is uvicorn's exit-now
                     stack.gateway.send_signal(signal.SIGTERM)
                     signalled = time.monotonic()
             ended = time.monotonic()
