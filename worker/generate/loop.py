@@ -15,7 +15,8 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
-from vramguard.worker.generate.server import GenerationServer, build_kv_plan
+from vramguard.worker.generate.kvmeasure import build_kv_plan
+from vramguard.worker.generate.server import GenerationServer
 from vramguard.worker.memory import MemoryBudget
 
 if TYPE_CHECKING:
