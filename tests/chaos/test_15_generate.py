@@ -22,6 +22,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,7 +33,7 @@ import openai
 import pytest
 import redis
 
-from tests.helpers import RedisServer, Stack, SupervisedWorker, service_env, wait_until
+from tests.helpers import ROOT, RedisServer, Stack, SupervisedWorker, service_env, wait_until
 from vramguard.shared.keys import Keys
 
 # A worker restart reloads the model (10-60 s on 2 busy cores); the module's stack starts once.
@@ -126,6 +128,19 @@ def test_openai_chat_streamed_equals_whole_greedy(gen: GenStack) -> None:
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert usage is not None and usage.completion_tokens == whole.usage.completion_tokens > 0
     assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
+
+
+def test_the_readme_streaming_snippet_prints_an_answer_and_its_usage(gen: GenStack) -> None:
+    """README "Generate text": its `openai` snippet, pointed at this stack's port, run as written."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("## Generate text", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    host = gen.url.removeprefix("http://")
+    done = subprocess.run([sys.executable, "-c", block.replace("127.0.0.1:8000", host)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    answer, usage = done.stdout.rsplit("\n", 1)
+    assert "Paris" in answer, done.stdout
+    assert usage.startswith("CompletionUsage(completion_tokens="), done.stdout
 
 
 async def test_openai_async_completions_streamed_and_whole(gen: GenStack) -> None:
