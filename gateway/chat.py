@@ -171,7 +171,7 @@ async def _events(request: Request, stream: ReplyStream, view: _View, deadline: 
         finished = True
         yield b"data: [DONE]\n\n"
     except VramguardError as exc:
-        yield _sse({"error": {"message": exc.message, "type": "server_error", "code": exc.code,
+        yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code,
                               "request_id": view.request_id}})
     finally:
         open_streams(request.app).pop(view.request_id, None)

@@ -37,6 +37,13 @@ TEXT_KEYS = COMMON | {"prompt"}
 # Parameters many clients send at their neutral value, which asks for nothing this server lacks:
 # such a key is dropped; any other value of it is refused like an unsupported parameter.
 NEUTRAL = {"logprobs": "false", "presence_penalty": "0", "frequency_penalty": "0"}
+# OpenAI's other request parameters: each asks for something this server lacks, except at null,
+# which is each one's documented default (clients built from the schema send them so).
+OPENAI_UNSUPPORTED = frozenset({
+    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "top_logprobs",
+    "logit_bias", "response_format", "best_of", "echo", "suffix", "service_tier", "store", "metadata",
+    "modalities", "audio", "prediction", "reasoning_effort", "web_search_options", "verbosity",
+})
 
 
 StopString = Annotated[StrictStr, Field(min_length=1)]
@@ -121,6 +128,16 @@ class CompletionRequest(Sampling):
     prompt: Annotated[StrictStr, Field(min_length=1)] | Annotated[
         list[Annotated[StrictStr, Field(min_length=1)]], Field(min_length=1, max_length=1)]
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text_prompt(cls, value: object) -> object:
+        # OpenAI's prompt may also be token ids or several prompts (one choice each): name what
+        # this server takes rather than the list-length rule the annotation would report.
+        if isinstance(value, list) and (len(value) > 1 or any(not isinstance(v, str) for v in value)):
+            raise PydanticCustomError("prompt_form", "a string (or a list of one string) is supported; token-id "
+                                      "prompts and several prompts are not")
+        return value
+
 
 def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     """The body of a chat ("chat") or completions ("text") request.
@@ -132,7 +149,7 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     try:
         # pydantic's parser, not json.loads: it refuses a lone UTF-16 surrogate ("\ud800"), which
         # no tokenizer can encode, and answers nesting past its limit instead of RecursionError.
-        data = from_json(raw)
+        data = from_json(raw, allow_inf_nan=False)  # NaN and Infinity are not JSON (RFC 8259)
     except ValueError as exc:
         raise BadBodyError(f"body is not UTF-8 JSON: {exc}") from None
     if not isinstance(data, dict):
@@ -141,25 +158,39 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     data = {k: v for k, v in data.items() if not _is_neutral(k, v)}
     unsupported = sorted(k[:60] for k in data if k not in allowed)
     if unsupported:
-        only = f" (only {NEUTRAL[unsupported[0]]} is accepted)" if unsupported[0] in NEUTRAL else ""
-        raise BadBodyError(f"{unsupported[0]}: not supported by this server{only}: {', '.join(unsupported)} "
+        first = unsupported[0]
+        only = f" (only {NEUTRAL[first]} or null is accepted)" if first in NEUTRAL else ""
+        others = f"; nor are {', '.join(unsupported[1:])}" if len(unsupported) > 1 else ""
+        raise BadBodyError(f"{first}: not supported by this server{only}{others} "
                            f"(supported: {', '.join(sorted(allowed))})")
-    if data.get("n", 1) != 1 or isinstance(data.get("n"), bool):  # true == 1 in Python, not in OpenAI's API
-        raise BadBodyError("n: only n = 1 (one choice) is supported")
+    n = data.get("n", 1)
+    if n != 1 or isinstance(n, bool):  # true == 1 in Python, not in OpenAI's API
+        given = "" if isinstance(n, int) and not isinstance(n, bool) else f" (the integer 1, not {_json_type(n)})"
+        raise BadBodyError(f"n: only n = 1 (one choice) is supported{given}")
     try:
         return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
     except ValidationError as exc:
         error = _telling_error(exc.errors())
-        raise InvalidInputError(f"{_field_path(data, error['loc'])}: {error['msg']}") from None
+        path = _field_path(data, error["loc"], missing=error["type"] == "missing")
+        raise InvalidInputError(f"{path}: {error['msg']}") from None
 
 
 def _is_neutral(key: str, value: object) -> bool:
-    """Whether `key: value` is a NEUTRAL parameter at its neutral value (or null, its default)."""
-    if key not in NEUTRAL or value is None:
-        return key in NEUTRAL
+    """Whether `key: value` asks for nothing: a NEUTRAL parameter at its neutral value, or one of
+    those or of OPENAI_UNSUPPORTED at null (its default)."""
+    if value is None:
+        return key in NEUTRAL or key in OPENAI_UNSUPPORTED
+    if key not in NEUTRAL:
+        return False
     if key == "logprobs":
         return value is False
     return isinstance(value, int | float) and not isinstance(value, bool) and value == 0
+
+
+def _json_type(value: object) -> str:
+    """The JSON name of `value`'s type, for messages about the body."""
+    names = {bool: "a boolean", str: "a string", float: "a number", list: "an array", dict: "an object"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _telling_error(errors: list[ErrorDetails]) -> ErrorDetails:
@@ -169,16 +200,18 @@ def _telling_error(errors: list[ErrorDetails]) -> ErrorDetails:
     return min(errors, key=lambda e: e["type"].endswith("_type"))
 
 
-def _field_path(data: object, loc: tuple[int | str, ...]) -> str:
+def _field_path(data: object, loc: tuple[int | str, ...], *, missing: bool = False) -> str:
     """`loc` as the body's own path (`messages.0.content`): a step that does not index the body
-    (the name pydantic gives a union member, such as `constrained-str`) is left out."""
+    (the name pydantic gives a union member, such as `constrained-str`) is left out, except the
+    last step of a `missing` error, which is the absent field's name."""
     path, value = [], data
-    for step in loc[:4]:
+    steps = loc[:4]
+    for i, step in enumerate(steps):
         if isinstance(value, dict) and step in value:
             value = value[step]
         elif isinstance(value, list) and isinstance(step, int):
             value = value[step] if step < len(value) else None
-        else:
+        elif not (missing and i == len(steps) - 1 and isinstance(value, dict)):
             continue
         path.append(str(step))
     return ".".join(path) or "body"

@@ -138,7 +138,9 @@ async def infer(
     with inference_request(request, model) as record:
         spec = _spec(request, model, version)
         if not spec.inputs:  # a model whose catalogue entry declares no v2 tensors (JSON objects out, ...)
-            raise BadBodyError(f"model {model!r} declares no KServe v2 tensors; use POST /v1/models/{model}/infer")
+            route = ("POST /v1/chat/completions or POST /v1/completions" if spec.options.get("generates")
+                     else f"POST /v1/models/{model}/infer")
+            raise BadBodyError(f"model {model!r} declares no KServe v2 tensors; use {route}")
         require_media_type(request, {JSON, OCTET}, allow_missing=True)  # tritonclient sends none
         body = await read_body(request, settings_of(request).max_body_bytes)
         json_length = _json_length(body, inference_header_content_length)

