@@ -12,8 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
-from tests.helpers import Stack, wait_until
+from tests.helpers import RedisServer, Stack, wait_until
+from vramguard.shared.keys import Keys
 
 MIB = 1024 * 1024
 MODELS_FILE = """
@@ -154,3 +156,51 @@ async def test_gateway_shutdown_ends_an_open_stream_with_an_error_event(stack: S
     assert ended - signalled >= 1.0  # served on for the shutdown delay first
     assert all("choices" in e for e in events[:-1]) and len(events) > 5
     assert stack.gateway.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_a_killed_gateways_sequences_stop_once_its_reply_stream_expires(
+        stack: Stack, tmp_path: Path, redis_server: RedisServer, key_prefix: str) -> None:
+    """1. A gateway with reply_stream_ttl_s 5 streams a long generation (the synthetic model, 40 ms
+    a step, 1200 tokens: about 48 s) to a real HTTP client.
+    2. After a few chunks the gateway is SIGKILLed: the client's connection is cut, and no gateway
+    is left to set the request's cancel key.
+    Result: once the dead gateway's reply stream expires, the worker stops the sequence (counted
+    cancelled, not finished) well before its 1200 tokens, and the KV cache is empty again."""
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "
+                                          "params = { step_ms = 40.0 }"))
+    common = {"models_file": str(models), "served_models": "simlm"}
+    stack.start_gateway(reply_stream_ttl_s=5, **common)
+    stack.start_worker(model="simlm", device="sim", sim_memory_bytes=256 * MIB, **common)
+    await stack.wait_ready()
+    body = {"model": "simlm", "prompt": "hello there", "max_tokens": 1200, "temperature": 0, "stream": True}
+    chunks = 0
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        try:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                async for line in response.aiter_lines():
+                    chunks += line.startswith("data: {")
+                    if chunks == 5:
+                        stack.gateway.kill()
+                        chunks += 1  # kill once
+        except httpx.HTTPError:
+            pass  # the connection was cut with the gateway (or read to its end, as the kernel closed it)
+    assert stack.gateway.wait(timeout=10) == -signal.SIGKILL
+    redis = aioredis.Redis.from_url(redis_server.url)
+
+    async def generation() -> dict[str, Any]:
+        (key,) = [k async for k in redis.scan_iter(match=Keys(key_prefix).heartbeat("*"))]
+        return json.loads(await redis.hget(key, "generation"))  # type: ignore[no-any-return]
+
+    async def stopped() -> bool:
+        return (await generation())["running"] == 0
+
+    try:
+        await wait_until(stopped, 60)
+        stats = await generation()
+    finally:
+        await redis.aclose()
+    assert stats["cancelled"] == 1 and stats["finished"] == 0, stats
+    assert stats["tokens_generated"] < 1200 and stats["kv_bytes_used"] == 0, stats

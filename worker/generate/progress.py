@@ -76,10 +76,19 @@ async def read_progress(redis: aioredis.Redis, keys: Keys, model: str, request_i
 
 
 async def cancelled(redis: aioredis.Redis, keys: Keys, model: str, seqs: list[Sequence]) -> list[bool]:
-    """Per sequence: whether its gateway asked to stop it (the client left). One round trip."""
+    """Per sequence: whether its client is gone, so that the sequence stops. Either its gateway
+    asked (the client left), or its gateway's reply stream no longer exists. A missing stream
+    means the gateway died, taking its clients' connections with it, and the stream's TTL
+    (`reply_stream_ttl_s`, which a live gateway refreshes) ran out; or Redis lost its data, and
+    the gateway has failed those streams already. One round trip."""
     if not seqs:
         return []
+    streams = sorted({seq.reply_to for seq in seqs})
     async with redis.pipeline(transaction=False) as pipe:
         for seq in seqs:
             pipe.exists(keys.cancel(model, seq.request_id))
-        return [bool(n) for n in await pipe.execute()]
+        for stream in streams:
+            pipe.exists(stream)
+        found = await pipe.execute()
+    alive = {stream: bool(n) for stream, n in zip(streams, found[len(seqs):], strict=True)}
+    return [bool(n) or not alive[seq.reply_to] for seq, n in zip(seqs, found, strict=False)]
