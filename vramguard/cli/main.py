@@ -1,7 +1,8 @@
 """The `vramguard` command (pip install vramguard[worker]): up, down, status, check, profile.
 
-Each subcommand's --help explains its options; a wrong option or value is one line on stderr and
-exit code 2 (argparse's convention, kept by every subcommand for its own refusals).
+Each subcommand's --help explains its options; a wrong option or value is one line on stderr that
+starts with the subcommand's name, and exit code 2 (argparse's convention, kept by every
+subcommand for its own refusals).
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_arguments(check_parser)
     commands.add_parser("profile", help="measure a model's memory and plan batches (vramguard profile --help)",
                         add_help=False)
+    for sub in commands.choices.values():  # main() reports unrecognized arguments through the subcommand's parser
+        sub.set_defaults(command_parser=sub)
     return parser
 
 
@@ -73,12 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         from vramguard.worker.profile import main as profile_main
 
         return profile_main(argv[1:], prog="vramguard profile")
-    args = build_parser().parse_args(argv)
-    if args.command == "up":
-        return up.run(args)
-    if args.command == "check":
-        return check.run(args)
-    return stack.down(stack_dir(args)) if args.command == "down" else stack.status(stack_dir(args))
+    # argparse reports arguments no parser took from the top parser (`vramguard: error:`); the
+    # subcommand's parser names the command the user ran.
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    try:
+        if args.command == "up":
+            return up.run(args)
+        if args.command == "check":
+            return check.run(args)
+        return stack.down(stack_dir(args)) if args.command == "down" else stack.status(stack_dir(args))
+    except up.Refused as exc:  # `check` refuses with `up`'s helpers; the line names the command the user ran
+        try:
+            print(f"{args.command}: {exc}", file=sys.stderr, flush=True)
+        except OSError:  # a terminal that is gone (hang-up) still gets the exit code
+            pass
+        return 2
 
 
 if __name__ == "__main__":

@@ -105,9 +105,9 @@ def status(run_dir: Path) -> int:
     env = saved_env(run_dir)
     pid = running_pid(run_dir)
     if env is None or pid is None:
-        print(f"vramguard: no stack runs in {run_dir}")
+        print(f"status: no stack runs in {run_dir}")
         return 3
-    print(f"vramguard: supervisord pid {pid}, run folder {run_dir}, gateway port {env.get('VRAMGUARD_PORT', '?')}")
+    print(f"status: supervisord pid {pid}, run folder {run_dir}, gateway port {env.get('VRAMGUARD_PORT', '?')}")
     print(ctl(run_dir, env, "status").stdout.rstrip())
     return 0
 
@@ -118,15 +118,15 @@ def down(run_dir: Path) -> int:
     1 it did not stop within STOP_TIMEOUT_S."""
     pid = running_pid(run_dir)
     if pid is None:
-        print(f"vramguard: no stack runs in {run_dir}")
+        print(f"down: no stack runs in {run_dir}")
         return 0
     os.kill(pid, signal.SIGTERM)  # supervisord stops every program in reverse priority order, then exits
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
         if running_pid(run_dir) is None:
-            print(f"vramguard: stopped the stack in {run_dir}")
+            print(f"down: stopped the stack in {run_dir}")
             return 0
         time.sleep(0.2)
-    print(f"vramguard: supervisord (pid {pid}) did not stop in {STOP_TIMEOUT_S} s; see {run_dir}/supervisord.log",
+    print(f"down: supervisord (pid {pid}) did not stop in {STOP_TIMEOUT_S} s; see {run_dir}/supervisord.log",
           file=sys.stderr)
     return 1

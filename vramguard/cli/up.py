@@ -12,13 +12,14 @@ everything (supervisor stops the gateway first, then the workers, Redis last). W
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal, NoReturn
 
@@ -42,6 +43,21 @@ from vramguard.cli.stack import (
 from vramguard.shared.redis_client import find_redis_server
 from vramguard.shared.settings import Settings, SettingsError
 
+# Where a port comes from: its option, else its variable (the launcher's own, not a service setting).
+PORT_OPTIONS = {"VRAMGUARD_PORT": "--port", "VRAMGUARD_REDIS_PORT": "--redis-port"}
+# What to do about a taken port, by what listens there; `up` and `check` say the same.
+PORT_TAKEN_HINTS = {
+    "gateway": "use --port (VRAMGUARD_PORT)",
+    "embedded Redis": "use --redis-port (VRAMGUARD_REDIS_PORT), or VRAMGUARD_REDIS_URL for an existing Redis",
+}
+# The placement file's format, for --help: a pip install has no deploy/ folder to point at.
+PLACEMENT_HELP = ("a TOML placement file: one [[model]] table per model with name (a model of the catalogue), "
+                  "gpus (\"all\", the default, or a list of indexes / UUIDs), workers (processes on EACH of its "
+                  "GPUs, default 1) and share (the fraction of each of its GPUs' memory, split among its workers "
+                  "there; without it, an equal part of what the watermark leaves); shares on one GPU add up to at "
+                  "most the watermark (VRAMGUARD_WATERMARK, default 0.8). Example: "
+                  "deploy/placement.example.toml in the source repository")
+
 # The gateways' prometheus_client multiprocess directory in VG_RUN_DIR; supervisord.conf gives
 # the gateway program PROMETHEUS_MULTIPROC_DIR=VG_RUN_DIR/metrics.
 METRICS_DIR = "metrics"
@@ -55,12 +71,14 @@ def say(line: str) -> None:
         pass
 
 
+class Refused(Exception):
+    """A bad option, setting, GPU list or placement, found before anything starts. The message names
+    the option or variable; vramguard/cli/main.py prints it after the subcommand's name, exit code 2."""
+
+
 def refuse(message: str) -> NoReturn:
-    """Stop before anything starts, exit code 2 (a bad option, setting, GPU list or placement)."""
-    try:
-        print(f"up: {message}", file=sys.stderr, flush=True)
-    finally:
-        sys.exit(2)
+    """Stop before anything starts: raises Refused(message) (exit code 2 once main.py prints it)."""
+    raise Refused(message)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,8 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="worker processes of the model on each GPU (or on the CPU without GPUs; default 1)")
     parser.add_argument("--gpus", default="", help="GPUs to use: all (default when nvidia-smi lists GPUs), "
                         "or indexes / UUIDs, comma-separated")
-    parser.add_argument("--placement", type=Path, help="a TOML placement (deploy/placement.example.toml): "
-                        "models, their GPUs, workers and memory shares; replaces --model/--gpus/--workers-per-gpu")
+    parser.add_argument("--placement", type=Path, help=f"{PLACEMENT_HELP}; replaces --model/--gpus/--workers-per-gpu")
     parser.add_argument("--gateways", type=int, default=1,
                         help="gateway processes on the one port (SO_REUSEPORT; each its own reply stream; default 1)")
     parser.add_argument("--port", type=int, help="the gateway's port (default VRAMGUARD_PORT, else 8000)")
@@ -97,17 +114,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def env_port(env: Mapping[str, str], name: str, given: int | None, default: str) -> str:
-    """The port from an option (`given`), else `env[name]`, else `default`; refuses (exit 2) a value
-    that is not 1-65535, naming the variable."""
-    value = str(given) if given is not None else env.get(name, default)
+    """The port from its option (`given`: --port or --redis-port, see PORT_OPTIONS), else `env[name]`,
+    else `default`. Refuses (Refused) a value that is not 1-65535, naming where it came from: the
+    option when it was given, else the variable."""
+    if given is not None:
+        if not 1 <= given <= 65535:
+            refuse(f"{PORT_OPTIONS[name]} {given}: not a port number (1-65535)")
+        return str(given)
+    value = env.get(name, default)
     if not (value.isascii() and value.isdigit() and 1 <= int(value) <= 65535):
         refuse(f"{name}={value!r} is not a port number (1-65535)")
     return value
 
 
-def port_in_use(port: int) -> bool:
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a program could not listen on `host` (an IPv4 or IPv6 address, the gateway's `host`
+    setting) and `port`: something answers on 127.0.0.1 there, or binding it fails with EADDRINUSE as
+    the program's own bind would (a socket bound but not listening; a listener on one address of
+    the gateway's 0.0.0.0)."""
     with socket.socket() as sock:
-        return sock.connect_ex(("127.0.0.1", port)) == 0
+        if sock.connect_ex(("127.0.0.1", port)) == 0:
+            return True
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        # As redis-server and uvicorn bind: a closed connection's TIME_WAIT does not hold the port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:  # another error (an address not on this host) is the program's to report
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def load_settings(env: Mapping[str, str]) -> Settings:
@@ -125,12 +161,12 @@ def load_settings(env: Mapping[str, str]) -> Settings:
         os.environ.update(saved)
 
 
-def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
-    """The worker groups of the placement file, or of --model/--gpus/--workers-per-gpu. Refuses (exit 2)
-    an impossible one."""
+def place(args: argparse.Namespace, settings: Settings, warn: Callable[[str], None] | None = None) -> list[WorkerGroup]:
+    """The worker groups of the placement file, or of --model/--gpus/--workers-per-gpu. Refuses (Refused)
+    an impossible one. `warn` gets nvidia-smi's failure (default: an `up:` line)."""
     if args.workers_per_gpu < 1:
         refuse(f"--workers-per-gpu {args.workers_per_gpu}: must be at least 1")
-    available = find_gpus(settings.sim_gpus, lambda line: say(f"up: {line}"))
+    available = find_gpus(settings.sim_gpus, warn or (lambda line: say(f"up: {line}")))
     try:
         if args.placement is not None:
             if args.gpus:
@@ -142,7 +178,7 @@ def place(args: argparse.Namespace, settings: Settings) -> list[WorkerGroup]:
                        "(a user's model needs VRAMGUARD_MODELS_FILE or --backend)")
             gpus: list[int | str] | Literal["all"] = "all"
             if args.gpus and args.gpus != "all":
-                gpus = [gpu.visible_id for gpu in select_gpus(args.gpus, available)]
+                gpus = [gpu.visible_id for gpu in select_gpus(args.gpus, available, "--gpus")]
             models = [ModelPlacement(name=args.model, gpus=gpus, workers=args.workers_per_gpu)]
         return plan(models, available, settings.watermark)
     except PlacementError as exc:
@@ -220,15 +256,16 @@ def redis_server() -> str:
     return found
 
 
-def check_ports(env: dict[str, str], workers_only: bool) -> None:
-    """Exit 1 naming the port when the gateway's or the embedded Redis's port is taken."""
+def check_ports(env: dict[str, str], workers_only: bool, host: str) -> None:
+    """Exit 1 naming the port and the option that moves it when the gateway's (on `host`) or the
+    embedded Redis's port is taken."""
     if workers_only:
         return
     if env["VG_START_REDIS"] == "true" and port_in_use(int(env["VG_REDIS_PORT"])):
-        say(f"up: port {env['VG_REDIS_PORT']} is taken; use --redis-port (VRAMGUARD_REDIS_PORT) or VRAMGUARD_REDIS_URL")
+        say(f"up: port {env['VG_REDIS_PORT']} (embedded Redis) is taken; {PORT_TAKEN_HINTS['embedded Redis']}")
         sys.exit(1)
-    if port_in_use(int(env["VRAMGUARD_PORT"])):
-        say(f"up: port {env['VRAMGUARD_PORT']} is taken; use --port (VRAMGUARD_PORT)")
+    if port_in_use(int(env["VRAMGUARD_PORT"]), host):
+        say(f"up: port {env['VRAMGUARD_PORT']} (gateway) is taken; {PORT_TAKEN_HINTS['gateway']}")
         sys.exit(1)
 
 
@@ -269,7 +306,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     name_models(env, groups)
     settings = load_settings({k: v for k, v in env.items() if not k.startswith("VG_")})
     check_workers({k: v for k, v in env.items() if not k.startswith("VG_")}, groups)
-    check_ports(env, args.workers_only)
+    check_ports(env, args.workers_only, settings.host)
     rotate_logs(run_dir)
     write_programs(run_dir, groups, log_to_stdout=args.workers_only)
     if not args.workers_only:
