@@ -34,6 +34,7 @@ COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop
                     "n", "user"})
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens"}
 TEXT_KEYS = COMMON | {"prompt"}
+REQUIRED = frozenset({"model", "messages", "prompt"})  # null is refused for these as for a wrong type
 # Parameters many clients send at their neutral value, which asks for nothing this server lacks:
 # such a key is dropped; any other value of it is refused like an unsupported parameter.
 NEUTRAL = {"logprobs": "false", "presence_penalty": "0", "frequency_penalty": "0"}
@@ -87,6 +88,11 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: StrictBool = False
+
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_false(cls, value: object) -> object:
+        return False if value is None else value  # OpenAI's default
 
 
 class Sampling(BaseModel):
@@ -155,12 +161,14 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     if not isinstance(data, dict):
         raise BadBodyError("body must be a JSON object")
     allowed = CHAT_KEYS if kind == "chat" else TEXT_KEYS
-    data = {k: v for k, v in data.items() if not _is_neutral(k, v)}
+    # null is the default of every optional parameter in OpenAI's schema (n, temperature, stream...)
+    data = {k: v for k, v in data.items() if not _is_neutral(k, v) and not (v is None and k in allowed - REQUIRED)}
     unsupported = sorted(k[:60] for k in data if k not in allowed)
     if unsupported:
         first = unsupported[0]
         only = f" (only {NEUTRAL[first]} or null is accepted)" if first in NEUTRAL else ""
-        others = f"; nor are {', '.join(unsupported[1:])}" if len(unsupported) > 1 else ""
+        more = f" and {len(unsupported) - 6} more" if len(unsupported) > 6 else ""  # the echo stays short
+        others = f"; nor are {', '.join(unsupported[1:6])}{more}" if len(unsupported) > 1 else ""
         raise BadBodyError(f"{first}: not supported by this server{only}{others} "
                            f"(supported: {', '.join(sorted(allowed))})")
     n = data.get("n", 1)

@@ -109,6 +109,9 @@ class ReplyListener:
             future = self._waiters.get(request_id)
             if future is not None and not future.done():
                 future.set_exception(error)
+            stream = self._streams.get(request_id)
+            if stream is not None:  # a generation: its reader ends with this error (an SSE error event)
+                stream.put(ReplyMessage.failure(request_id, error.code, error.message))
 
     def fail_all(self, error: BaseException) -> None:
         """Fail every waiting request with `error` (gateway shutdown past its grace period)."""

@@ -204,3 +204,43 @@ async def test_a_killed_gateways_sequences_stop_once_its_reply_stream_expires(
         await redis.aclose()
     assert stats["cancelled"] == 1 and stats["finished"] == 0, stats
     assert stats["tokens_generated"] < 1200 and stats["kv_bytes_used"] == 0, stats
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+async def test_generations_lost_with_redis_data_fail_fast_then_service_resumes(
+        stack: Stack, tmp_path: Path, redis_server: RedisServer) -> None:
+    """1. A streamed and a whole generation run (the synthetic model, 40 ms a step, 1000 tokens).
+    2. Redis loses its data (FLUSHDB, as a restart without persistence).
+    Result: the stream ends with an error event (code unavailable) and the whole request is 503,
+    both within seconds, not at their deadline; the next generation is answered."""
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "
+                                          "params = { step_ms = 40.0 }"))
+    common = {"models_file": str(models), "served_models": "simlm"}
+    stack.start_gateway(**common)
+    stack.start_worker(model="simlm", device="sim", sim_memory_bytes=256 * MIB, **common)
+    await stack.wait_ready()
+    body = {"model": "simlm", "prompt": "hello there", "max_tokens": 500, "temperature": 0}
+    redis = aioredis.Redis.from_url(redis_server.url)
+    events: list[dict[str, Any]] = []
+    async with httpx.AsyncClient(base_url=stack.url, timeout=120) as client:
+        whole = asyncio.ensure_future(client.post("/v1/completions", json=body))
+        async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 3:
+                        await redis.flushdb()
+                        flushed = time.monotonic()
+        ended = time.monotonic()
+        lost = await whole
+        await redis.aclose()
+
+        async def answered() -> bool:
+            again = await client.post("/v1/completions", json={**body, "max_tokens": 3})
+            return again.status_code == 200
+        await wait_until(answered, 30)
+    assert events[-1]["error"]["code"] == "unavailable", events[-1]
+    assert lost.status_code == 503 and lost.json()["error"]["code"] == "unavailable", lost.text
+    assert ended - flushed < 10  # 500 tokens at 40 ms would take 20 s

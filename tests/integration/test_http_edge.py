@@ -185,7 +185,11 @@ async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
             assert error["param"] == field and error["message"] == f"{field}: Field required", error
         # OpenAI's other parameters at null, their default, ask for nothing either.
         neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "tools": None,
-                   "top_logprobs": None, "response_format": None}
+                   "top_logprobs": None, "response_format": None, "n": None, "temperature": None, "top_p": None,
+                   "stream": None, "stream_options": {"include_usage": None}, "max_tokens": None}
+        # Thousands of unknown keys: the refusal names a few, not all of them back.
+        many = await gateway.post(CHAT, json={**CHAT_BODY, **{f"k{i:05}" + "x" * 60: 1 for i in range(5000)}})
+        assert many.status_code == 400 and len(many.text) < 2000 and "and 4994 more" in many.text, many.text[:300]
         parts = [{"role": "developer", "content": "Be brief."},
                  {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
         for path, body in ((CHAT, {**CHAT_BODY, **neutral}), (CHAT, {**CHAT_BODY, "messages": parts}),

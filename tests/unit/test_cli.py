@@ -90,6 +90,8 @@ def test_profile_is_a_subcommand_with_its_own_help(vramguard: Callable[..., Ran]
     (["check", "--port", "70000"], {}, "--port 70000: not a port number (1-65535)"),
     (["up", "--redis-port", "70000"], {}, "--redis-port 70000: not a port number (1-65535)"),
     (["check", "--redis-port", "0"], {}, "--redis-port 0: not a port number (1-65535)"),
+    (["down", "--port", "0"], {}, "--port 0: not a port number (1-65535)"),  # not the stack on 8000
+    (["status", "--port", "99999"], {}, "--port 99999: not a port number (1-65535)"),
     (["check"], {"port": "70000"}, "VRAMGUARD_PORT: Input should be less than or equal to 65535"),
     (["up", "--port", "8001"], {"redis_port": "x"}, "VRAMGUARD_REDIS_PORT='x' is not a port number (1-65535)"),
     (["up"], {"redis_url": "localhost:6379"}, "VRAMGUARD_REDIS_URL: Value error, 'localhost:6379' needs a scheme"),

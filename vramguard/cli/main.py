@@ -66,7 +66,8 @@ def stack_dir(args: argparse.Namespace) -> Path:
     """The run folder `down` and `status` act on: --run-dir, else the default one of the port."""
     if args.run_dir is not None:
         return Path(args.run_dir)
-    return stack.default_run_dir(args.port or os.environ.get("VRAMGUARD_PORT", "8000"))
+    # The port is checked as `up` checks it: --port 0 must not fall back to 8000's stack.
+    return stack.default_run_dir(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))
 
 
 def main(argv: list[str] | None = None) -> int:
