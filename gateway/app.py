@@ -29,6 +29,7 @@ from vramguard.gateway.dispatch import Dispatcher
 from vramguard.gateway.edge import ClientGoneError
 from vramguard.gateway.health import Health
 from vramguard.gateway.metrics import GatewayMetrics
+from vramguard.gateway.native import GatewayApp
 from vramguard.gateway.observe import router as observe_router
 from vramguard.gateway.openapi import install_schemas
 from vramguard.gateway.prompt_tokens import PromptTokens
@@ -63,7 +64,7 @@ def error_body(code: str, message: str, request_id: str | None) -> dict[str, obj
     return {"error": {"code": code, "message": message, "request_id": request_id}}
 
 
-def create_app(settings: Settings) -> FastAPI:
+def create_app(settings: Settings) -> GatewayApp:
     """Build the gateway app for `settings`. Redis is connected in the lifespan, not here."""
 
     @asynccontextmanager
@@ -117,10 +118,12 @@ def create_app(settings: Settings) -> FastAPI:
             json_counter.stop()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
-    app = FastAPI(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
-    app.add_middleware(HoldBodies, budget=BodyBudget(settings.max_inflight_body_bytes))
-    # The native inference route first, as a plain Starlette route (routes.infer_endpoint says why);
-    # the FastAPI route of the same path, behind it, only describes it in the OpenAPI schema.
+    app = GatewayApp(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
+    app.body_budget = BodyBudget(settings.max_inflight_body_bytes)
+    app.add_middleware(HoldBodies, budget=app.body_budget)
+    # GatewayApp serves the native inference route ahead of the middleware stack (gateway/native.py);
+    # this plain Starlette route of it (routes.infer_endpoint says why) answers only what reaches the
+    # stack, and the FastAPI route of the same path, behind it, describes it in the OpenAPI schema.
     app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))
     app.include_router(router)
     # The request id first, so that a 401 and the errors found before the body is read carry it.

@@ -1,0 +1,84 @@
+"""The native inference route's lean path: POST /v1/models/{model}/infer is served ahead of the
+ASGI middleware stack, every other request goes through it.
+
+The stack FastAPI builds around every request (server-error and exception middleware, its
+body-limit and telemetry layers, our HoldBodies, the router, the exit-stack middleware) was about
+a quarter of the gateway's CPU per request on this route (py-spy at concurrency 64 with instant
+workers), work a request that is already routed by its path does not need. What the stack does for
+this route is done here in place: the request's body hold (gateway/bodybudget.py), the app's own
+exception handlers (app.py: the same status, headers and error body for each error), and the
+unexpected error's 500, logged once. Everything else (other paths, other methods, a trailing
+slash, a path that names no model) goes through the stack and answers as it always did.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from vramguard.gateway.bodybudget import STATE_KEY, BodyBudget, BodyHold
+from vramguard.gateway.routes import infer_endpoint
+
+log = logging.getLogger(__name__)
+
+_PREFIX, _SUFFIX = "/v1/models/", "/infer"
+
+
+def native_model(scope: Scope) -> str | None:
+    """The model an HTTP request's scope names when it is POST /v1/models/{model}/infer, the path
+    Starlette's `{model}` would match (one non-empty segment, percent-decoded as ASGI gives it),
+    else None."""
+    if scope["type"] != "http" or scope["method"] != "POST" or scope.get("root_path"):
+        return None
+    path: str = scope["path"]
+    if not (path.startswith(_PREFIX) and path.endswith(_SUFFIX)):
+        return None
+    model = path[len(_PREFIX):-len(_SUFFIX)]
+    return model if model and "/" not in model else None
+
+
+class GatewayApp(FastAPI):
+    """The gateway's FastAPI app with the native inference route served by `serve_native`.
+    `body_budget` is the process' BodyBudget, shared with the HoldBodies middleware that holds the
+    bodies of every other route."""
+
+    body_budget: BodyBudget
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        model = native_model(scope)
+        if model is None:
+            await super().__call__(scope, receive, send)
+        else:
+            await self.serve_native(scope, receive, send, model)
+
+    async def serve_native(self, scope: Scope, receive: Receive, send: Send, model: str) -> None:
+        """Serve one native inference request: routes.infer_endpoint's response, or the app's
+        exception handler's for its error; the body hold is released once the response is sent."""
+        scope["app"] = self  # what Starlette sets: request.app, and through it app.state
+        scope["path_params"] = {"model": model}
+        hold = BodyHold(self.body_budget)
+        scope.setdefault("state", {})[STATE_KEY] = hold
+        request = Request(scope, receive, send)
+        try:
+            try:
+                response = await infer_endpoint(request)
+            except Exception as exc:  # noqa: BLE001 - every error is answered, as the stack answers it
+                response = await self._handle(request, exc)
+            await response(scope, receive, send)
+        finally:
+            hold.release()
+
+    async def _handle(self, request: Request, exc: Exception) -> Response:
+        """The response of the exception handler app.py installed for `exc`'s nearest class (the
+        lookup Starlette's ExceptionMiddleware makes), `Exception`'s (the logged 500) for the rest."""
+        for cls in type(exc).__mro__:
+            handler = self.exception_handlers.get(cls)
+            if handler is not None:
+                response = await handler(request, exc)  # type: ignore[misc]  # app.py's are all coroutines
+                assert isinstance(response, Response)
+                return response
+        raise exc  # unreachable while app.py registers a handler for Exception
