@@ -118,7 +118,7 @@ class Dispatcher:
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
-        self._loss_seen: asyncio.Future[object] | None = None  # the reply-stream check that last found it lost
+        self._check_watched: asyncio.Future[object] | None = None  # the reply-stream check last given a callback
         self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
@@ -245,20 +245,19 @@ class Dispatcher:
         )
         future = self._listener.register(request_id)
         try:
-            # The admission runs as its own task and is never cancelled (a cancelled redis-py
-            # command can poison its connection): past the deadline we answer 504 and let it end.
-            admission = asyncio.ensure_future(self._admit(model, message))
-            done, _ = await asyncio.wait({admission}, timeout=self._remaining_s(timeout_ms, started_ms))
-            if not done:
-                admission.add_done_callback(_consume_result)
-                raise TimeoutError
-            admission.result()
-            self._listener.mark_enqueued(request_id)
-            self.submitted += 1
-            with child_span("vramguard.reply") as span:  # queued, batched, run and published: until the reply is here
-                reply = await asyncio.wait_for(future, self._remaining_s(timeout_ms, started_ms))
-                if span is not None:
-                    span.set_attributes(reply_attributes(reply))
+            # One deadline over admission and reply, one timer: what expires is only this request's
+            # wait. The admission's round trip is the ScriptBatcher's task, which nobody cancels (a
+            # cancelled redis-py command can poison its connection): past the deadline we answer 504
+            # and the entry, if it is added, is answered to nobody (its reply is dropped).
+            async with asyncio.timeout(self._remaining_s(timeout_ms, started_ms)):
+                await self._admit(model, message)
+                self._listener.mark_enqueued(request_id)
+                self.submitted += 1
+                # Queued, batched, run and published: until the reply is here.
+                with child_span("vramguard.reply") as span:
+                    reply = await future
+                    if span is not None:
+                        span.set_attributes(reply_attributes(reply))
             self._throughput[model].record()
             return reply
         except TimeoutError as exc:
@@ -277,38 +276,32 @@ class Dispatcher:
         """Check the bound and XADD in one step (ADMISSION, one call for this loop pass's admissions
         to the model), after ENSURE_REPLY_STREAM has checked the reply stream: both in the one
         round trip this loop pass's admissions share (gateway/coalesce.py; two slots under Cluster).
-        Raises QueueFullError with a Retry-After from this gateway's recent reply rate
-        (gateway/backpressure.py), or RedisError."""
+        Awaited by the request's own task: cancelling it (deadline, disconnect) cancels only this
+        request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
+        from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self.config_for(model)
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
-            await self._admit_once(model, message, config)
-
-    async def _admit_once(self, model: str, message: RequestMessage, config: ModelConfig) -> None:
-        # The reply-stream check runs first: in the data-loss case the stream exists again before
-        # a worker can have read, run and answered the new entry.
-        # Idempotent: the admissions of one loop pass share one check (they share the stream).
-        check = self._scripts.call(self._ensure_reply, [self._listener.stream],
-                                   [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s],
-                                   idempotent=True)
-        results = await asyncio.gather(
-            check,
+            # The reply-stream check is queued first, so it is answered first: in the data-loss case
+            # the stream exists again before a worker can have read, run and answered the new entry.
+            # Idempotent: the admissions of one loop pass share one check (they share the stream).
+            check = self._scripts.call(self._ensure_reply, [self._listener.stream],
+                                       [INIT_FIELD, self._settings.reply_stream_maxlen,
+                                        self._settings.reply_stream_ttl_s], idempotent=True)
+            if check is not self._check_watched:  # once per check, not once per caller sharing it
+                self._check_watched = check
+                check.add_done_callback(self._reply_stream_checked)
             # Grouped: this pass's admissions for the model are one script call (ADMISSION).
-            self._scripts.call_grouped(self._admission, [self._keys.request_stream(model)],
-                                       [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS,
-                                        config.queue_bound_bytes],
-                                       [], [message.encode()],
-                                       call_key=lambda: self._keys.admission(model, uuid.uuid4().hex)),
-            return_exceptions=True,  # both always finish; the first error is raised below
-        )
-        recreated, admitted = results
-        for result in results:
-            if isinstance(result, BaseException):
+            admitted = await self._scripts.call_grouped(
+                self._admission, [self._keys.request_stream(model)],
+                [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes],
+                [], [message.encode()], call_key=lambda: self._keys.admission(model, uuid.uuid4().hex))
+            # The check was answered in the same round trip, ahead of the admission (run_scripts keeps
+            # the calls' order, and an item's answer is set one callback after its call's).
+            checked = check.result() if check.done() else await asyncio.shield(check)
+        for result in (checked, admitted):
+            if isinstance(result, BaseException):  # a script's error (run_scripts answers it as a value)
                 raise result
         status, value = cast(list[object], admitted)
-        if recreated and check is not self._loss_seen:  # once per check, not once per caller sharing it
-            self._loss_seen = check
-            log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
-            await self._listener.stream_lost()
         if status == 0:
             retry_s = retry_after_s(int(cast(int, value)), self._throughput[model].rate_per_s())
             raise QueueFullError(
@@ -320,11 +313,15 @@ class Dispatcher:
                 f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "
                 f"{config.queue_bound_bytes} (queue_bound_bytes)", retry_after_s=1)
 
+    def _reply_stream_checked(self, check: asyncio.Future[object]) -> None:
+        """The reply stream was missing (the check recreated it): Redis lost its data, and every
+        request enqueued before fails now (ReplyListener.stream_lost). Run as the check's callback,
+        before any admission of its round trip is answered, so none of those is counted as lost."""
+        if check.cancelled() or check.exception() is not None or check.result() != 1:
+            return
+        log.warning("reply stream was missing: Redis lost its data", extra={"stream": self._listener.stream})
+        self._listener.stream_lost()
+
     @staticmethod
     def _remaining_s(timeout_ms: int, started_ms: float) -> float:
         return max(0.0, (timeout_ms - (monotonic_ms() - started_ms)) / 1000)
-
-
-def _consume_result(task: asyncio.Future[None]) -> None:
-    if not task.cancelled():
-        task.exception()  # retrieved, so asyncio does not warn; the caller already got its 504

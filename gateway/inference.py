@@ -45,10 +45,13 @@ def request_id_of(request: Request) -> RequestId:
     route makes that call its first step, ahead of the API key check, so that every error of the
     request carries the id (app.py's handlers read `request.state.request_id`), a 401 and the
     errors found before the body names the model included."""
-    request_id: RequestId | None = getattr(request.state, "request_id", None)
+    # The scope's "state" dict is what `request.state` wraps; read directly, a request without an id
+    # yet costs a dict lookup, not the AttributeError that getattr(request.state, ...) raises inside.
+    state: dict[str, object] = request.scope.setdefault("state", {})
+    request_id = state.get("request_id")
     if request_id is None:
-        request_id = request.state.request_id = RequestId(uuid.uuid4().hex)
-    return request_id
+        request_id = state["request_id"] = RequestId(uuid.uuid4().hex)
+    return cast(RequestId, request_id)
 
 
 @contextmanager

@@ -65,6 +65,7 @@ class ReplyListener:
         # waiting out their deadline for a reply that can no longer come.
         self.generation = 0
         self._enqueued: dict[RequestId, int] = {}
+        self._loss_tasks: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return f"<ReplyListener {self.stream} waiting={len(self._waiters)} dropped={self.replies_dropped}>"
@@ -94,17 +95,24 @@ class ReplyListener:
         """Record that `request_id`'s entry is in Redis now, in the current generation."""
         self._enqueued[request_id] = self.generation
 
-    async def stream_lost(self) -> None:
+    def stream_lost(self) -> asyncio.Task[None]:
         """The reply stream vanished, so Redis lost its data: fail with 503 every request enqueued
         before now (their entries are gone; they would only time out). Which requests those are is
-        fixed before the first await: a request admitted while the loss is being described went
-        into the new stream and must not be failed with the old ones."""
+        fixed by this call, before anything else runs: a request admitted after it went into the
+        new stream and must not be failed with the old ones. Returns the task that fails them (it
+        first asks Redis whether the loss was an eviction, for the message)."""
         lost = [request_id for request_id, generation in self._enqueued.items() if generation == self.generation]
         self.generation += 1
         # The recreated stream's ids come from the new server's clock, which may be behind the old
         # one's: read it from its start, or every reply below the old last id would be skipped.
         self._last_id = b"0-0"
-        error = UnavailableError(await describe_data_loss(self._redis))
+        task = asyncio.get_running_loop().create_task(self._fail_lost(lost), name="reply-stream-lost")
+        self._loss_tasks.add(task)  # held until done: the loop keeps only a weak reference to a task
+        task.add_done_callback(self._loss_tasks.discard)
+        return task
+
+    async def _fail_lost(self, lost: list[RequestId]) -> None:
+        error = UnavailableError(await describe_data_loss(self._redis))  # never raises
         for request_id in lost:
             future = self._waiters.get(request_id)
             if future is not None and not future.done():
