@@ -17,6 +17,7 @@ from vramguard.gateway import native
 from vramguard.gateway.app import create_app
 from vramguard.gateway.bodybudget import STATE_KEY
 from vramguard.gateway.native import native_model
+from vramguard.shared.errors import InvalidInputError, VramguardError
 from vramguard.shared.settings import Settings
 
 
@@ -65,3 +66,24 @@ async def test_an_unexpected_error_is_a_logged_500_in_the_native_shape_and_frees
     assert response.headers["x-should-retry"] == "false"
     assert [r.getMessage() for r in caplog.records] == ["unhandled error"]
     assert app.body_budget.held_bytes == 0
+
+
+async def test_an_error_handler_that_fails_is_answered_by_the_logged_500(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    app = create_app(Settings(served_models=["synthetic"], model="synthetic"))
+
+    async def refused(request: Request) -> Response:
+        raise InvalidInputError("bad input")
+
+    async def broken_handler(request: Request, exc: Exception) -> Response:
+        raise RuntimeError("the handler's own bug")
+
+    monkeypatch.setattr(native, "infer_endpoint", refused)
+    monkeypatch.setitem(app.exception_handlers, VramguardError, broken_handler)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as client:
+        with caplog.at_level(logging.ERROR, logger="vramguard.gateway.app"):
+            response = await client.post("/v1/models/synthetic/infer", json={"inputs": ["x"]})
+
+    assert response.status_code == 500 and response.json()["error"]["code"] == "internal"
+    assert response.headers["x-should-retry"] == "false"
+    assert [r.getMessage() for r in caplog.records] == ["unhandled error"]
