@@ -14,8 +14,6 @@ slash, a path that names no model) goes through the stack and answers as it alwa
 
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
@@ -23,8 +21,6 @@ from starlette.types import Receive, Scope, Send
 
 from vramguard.gateway.bodybudget import STATE_KEY, BodyBudget, BodyHold
 from vramguard.gateway.routes import infer_endpoint
-
-log = logging.getLogger(__name__)
 
 _PREFIX, _SUFFIX = "/v1/models/", "/infer"
 
