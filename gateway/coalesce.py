@@ -1,11 +1,20 @@
-"""Redis scripts of concurrent requests in one round trip: every script call made during one
-pass of the event loop goes out in a single pipeline (EVALSHA each, in call order), so at
-concurrency 64 the gateway pays one write and one read for a burst of admissions instead of two
-per request. Nothing waits to fill a batch: a call alone is sent on the next loop pass.
+"""Redis scripts of concurrent requests in one round trip: the script calls made while the
+previous round trip is under way go out together in a single pipeline (EVALSHA each, in call
+order), so at concurrency 64 the gateway pays one write and one read for a burst of admissions
+instead of two per request. This is a database's group commit: normally one round trip is in
+flight, and what arrives meanwhile waits for it, so the busier the gateway, the larger each
+round trip. Nothing waits to fill a batch: a call made while none is in flight is sent on the
+next loop pass. A round trip that stalls (a connection timing out, retries through a failover)
+holds the others back for STALL_S only: then the calls waiting behind it go on their own round
+trip, up to MAX_IN_FLIGHT at once, so one stuck connection does not become a stuck gateway.
 
-Calls of a script written for many items (`ScriptBatcher.call_grouped`) go further: the pass's
-calls that share the script and its leading keys and args become ONE script call carrying every
-item, so Redis runs one EVALSHA (and whatever the script reads once) for the lot."""
+Calls of a script written for many items (`ScriptBatcher.call_grouped`) go further: the round
+trip's calls that share the script and its leading keys and args become ONE script call carrying
+every item, so Redis runs one EVALSHA (and whatever the script reads once) for the lot. An item
+whose caller stopped waiting (its deadline passed, its client left) before the call is sent is
+left out of it, and a plain call whose caller stopped waiting is not sent: after an outage, the
+backlog of requests already answered 504 is not enqueued for nobody.
+"""
 
 from __future__ import annotations
 
@@ -29,6 +38,13 @@ from vramguard.shared.redis_client import RETRIES
 # A single item larger than MAX_GROUP_BYTES goes alone.
 MAX_GROUP_ITEMS = 256
 MAX_GROUP_BYTES = 1024 * 1024
+
+# Group commit's limits. Under load at concurrency 64 an admission round trip takes a few ms on
+# one host (14 calls a round trip at 4,400 requests/s, bench/ANALYSIS.md), so one that is still out
+# after STALL_S is stuck, not slow. MAX_IN_FLIGHT bounds the round trips (each a pooled connection)
+# that stuck ones can pile up before new calls wait again.
+STALL_S = 0.010
+MAX_IN_FLIGHT = 8
 
 
 @dataclass(frozen=True)
@@ -84,7 +100,9 @@ def _read_only(result: object) -> bool:
 
 
 class ScriptBatcher:
-    """Collects script calls and sends each loop pass's calls as one `run_scripts` round trip.
+    """Collects script calls and sends them as `run_scripts` round trips, normally one at a time:
+    the calls made while a round trip is in flight are sent together as soon as it ends, or
+    after STALL_S of waiting, whichever comes first (see the module docstring).
 
     `call` returns a future of the call's result (an exception object when that script failed,
     as run_scripts returns it); when the round trip itself fails, every future of the batch gets
@@ -94,38 +112,36 @@ class ScriptBatcher:
 
     def __init__(self, redis: aioredis.Redis) -> None:
         self._redis = redis
-        self._pending: list[tuple[ScriptCall, asyncio.Future[object]]] = []
+        # Plain calls and groups, in call order, each with the future of its result.
+        self._pending: list[tuple[ScriptCall | _Group, asyncio.Future[object]]] = []
         # The idempotent calls of the batch being collected, by (sha, keys, args): see `call`.
         self._shared: dict[tuple[str, tuple[str, ...], tuple[EncodableT, ...]], asyncio.Future[object]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         # The grouped calls being collected, by (sha, leading keys, leading args): see `call_grouped`.
         self._groups: dict[tuple[str, tuple[str, ...], tuple[EncodableT, ...]], _Group] = {}
+        self._in_flight = 0  # round trips under way: while one is, calls made now wait for it
+        self._stall: asyncio.TimerHandle | None = None  # ends the wait of the pending calls
+        self.round_trips = 0  # sent so far (tests and logs)
 
     def call(self, script: AsyncScript, keys: list[str], args: list[EncodableT], *,
              idempotent: bool = False) -> asyncio.Future[object]:
-        """Queue one script call for this loop pass's round trip; the future of its result.
+        """Queue one script call for the next round trip; the future of its result.
         `idempotent`: running the call twice in a row does what running it once does (a check
-        that creates what is missing), so an identical call already queued in this pass (same
+        that creates what is missing), so an identical call already queued for it (same
         script, keys and args) is not sent again: both callers get the first one's future. Its
         place in the order is the first caller's, before anything either caller queues after it."""
-        loop = asyncio.get_running_loop()
-        if not self._pending:
-            loop.call_soon(self._flush)
         if idempotent:
             key = (script.sha, tuple(keys), tuple(args))
             future = self._shared.get(key)
             if future is None:
-                future = self._shared[key] = loop.create_future()
-                self._pending.append((ScriptCall(script, keys, args), future))
+                future = self._shared[key] = self._queue(ScriptCall(script, keys, args))
             return future
-        future = loop.create_future()
-        self._pending.append((ScriptCall(script, keys, args), future))
-        return future
+        return self._queue(ScriptCall(script, keys, args))
 
     def call_grouped(self, script: AsyncScript, keys: list[str], args: list[EncodableT],
                      item_keys: list[str], item_args: list[EncodableT], *,
                      call_key: Callable[[], str] | None = None) -> asyncio.Future[object]:
-        """Queue one item of a script that takes many: the calls of this pass with the same script,
+        """Queue one item of a script that takes many: the calls of one round trip with the same script,
         `keys` and `args` are sent as one call with every item's keys and args appended in call
         order (keys + item_keys..., args + item_args...). The script returns a list, one result per
         item; the future gets this item's (or the call's exception object, or the round trip's
@@ -137,26 +153,74 @@ class ScriptBatcher:
         key = (script.sha, tuple(keys), tuple(args))
         size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
         group = self._groups.get(key)
-        if group is None or len(group.futures) >= MAX_GROUP_ITEMS or (
-                group.futures and group.bytes + size > MAX_GROUP_BYTES):
+        if group is None or len(group.items) >= MAX_GROUP_ITEMS or (
+                group.items and group.bytes + size > MAX_GROUP_BYTES):
             leading = [*keys, call_key()] if call_key is not None else list(keys)
-            group = self._groups[key] = _Group(ScriptCall(script, leading, list(args)))
-            group.outcome = self.call(script, group.call.keys, group.call.args)
-            group.outcome.add_done_callback(group.resolve)
-        group.call.keys.extend(item_keys)
-        group.call.args.extend(item_args)
-        group.bytes += size
+            group = self._groups[key] = _Group(script, leading, list(args))
+            outcome = self._queue(group)
+            outcome.add_done_callback(group.resolve)
         future: asyncio.Future[object] = loop.create_future()
-        group.futures.append(future)
+        group.items.append((item_keys, item_args, future))
+        group.bytes += size
         return future
 
+    def _queue(self, call: ScriptCall | _Group) -> asyncio.Future[object]:
+        """Add `call` to the pending calls (arming their send) and return its future."""
+        loop = asyncio.get_running_loop()
+        if not self._pending:
+            if self._in_flight:
+                self._stall = loop.call_later(STALL_S, self._stalled)
+            else:
+                loop.call_soon(self._flush)
+        future: asyncio.Future[object] = loop.create_future()
+        self._pending.append((call, future))
+        return future
+
+    def _stalled(self) -> None:
+        """The round trips in flight took STALL_S: the pending calls go on one of their own."""
+        self._stall = None
+        if self._in_flight < MAX_IN_FLIGHT:
+            self._flush()
+        elif self._pending:
+            self._stall = asyncio.get_running_loop().call_later(STALL_S, self._stalled)
+
     def _flush(self) -> None:
-        batch, self._pending = self._pending, []
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        pending, self._pending = self._pending, []
         self._shared = {}
         self._groups = {}
+        batch: list[tuple[ScriptCall, asyncio.Future[object]]] = []
+        for call, future in pending:
+            built = call.build() if isinstance(call, _Group) else call
+            if built is None or future.done():  # every caller stopped waiting: nothing to send
+                future.cancel()
+            else:
+                batch.append((built, future))
+        if not batch:
+            return
+        self._in_flight += 1
+        self.round_trips += 1
         task = asyncio.get_running_loop().create_task(self._send(batch))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        """A round trip ended (answered, failed or cancelled at shutdown): send what was made meanwhile."""
+        self._tasks.discard(task)
+        self._in_flight -= 1
+        if not task.cancelled():
+            if self._pending:
+                self._flush()
+            return
+        pending, self._pending = self._pending, []  # the loop is closing: nothing more is sent
+        self._shared, self._groups = {}, {}
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        for _call, future in pending:
+            future.cancel()
 
     async def _send(self, batch: list[tuple[ScriptCall, asyncio.Future[object]]]) -> None:
         try:
@@ -166,35 +230,52 @@ class ScriptBatcher:
                 if not future.done():
                     future.set_exception(exc)
             return
+        except BaseException:  # cancelled (the loop is closing): nobody waits for an answer any more
+            for _call, future in batch:
+                future.cancel()
+            raise
         for (_call, future), result in zip(batch, results, strict=True):
             if not future.done():
                 future.set_result(result)
 
 
 class _Group:
-    """The items of one grouped script call: the call (its key and arg lists grow with each item)
-    and each item's future, resolved from the call's list of results."""
+    """The items of one grouped script call, each (item keys, item args, future), and the call's
+    leading keys and args. `build` makes the call from the items still awaited when it is sent;
+    `resolve` hands its list of results back to them."""
 
-    def __init__(self, call: ScriptCall) -> None:
-        self.call = call
-        self.futures: list[asyncio.Future[object]] = []
+    def __init__(self, script: AsyncScript, keys: list[str], args: list[EncodableT]) -> None:
+        self.script = script
+        self.keys = keys
+        self.args = args
+        self.items: list[tuple[list[str], list[EncodableT], asyncio.Future[object]]] = []
         self.bytes = 0  # of the items' str and bytes args
-        self.outcome: asyncio.Future[object] | None = None
+        self.sent: list[asyncio.Future[object]] = []  # the futures of the items the call carries
+
+    def build(self) -> ScriptCall | None:
+        """The call carrying every item whose caller still waits, or None when none does."""
+        keys, args = list(self.keys), list(self.args)
+        for item_keys, item_args, future in self.items:
+            if not future.done():
+                keys.extend(item_keys)
+                args.extend(item_args)
+                self.sent.append(future)
+        return ScriptCall(self.script, keys, args) if self.sent else None
 
     def resolve(self, outcome: asyncio.Future[object]) -> None:
         if outcome.cancelled():
-            for future in self.futures:
+            for _keys, _args, future in self.items:
                 future.cancel()
             return
         exc = outcome.exception()
         result = outcome.result() if exc is None else None
-        for i, future in enumerate(self.futures):
+        for i, future in enumerate(self.sent):
             if future.done():
                 continue
             if exc is not None:
                 future.set_exception(exc)
-            elif isinstance(result, list) and len(result) == len(self.futures):
+            elif isinstance(result, list) and len(result) == len(self.sent):
                 future.set_result(result[i])
             else:  # the script's error (an exception object) or an answer not shaped per item
                 future.set_result(result if isinstance(result, BaseException) else
-                                  ResponseError(f"grouped script answered {result!r} for {len(self.futures)} items"))
+                                  ResponseError(f"grouped script answered {result!r} for {len(self.sent)} items"))

