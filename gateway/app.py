@@ -133,7 +133,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app.include_router(kserve.health_router)
     app.include_router(health_router)
     app.include_router(observe_router)
-    install_schemas(app, settings.served_models)
+    install_schemas(app, settings.served_models, invalid_is_400)
     _install_error_handlers(app)
     return app
 
@@ -198,6 +198,13 @@ def _error_headers(exc: VramguardError) -> dict[str, str]:
     return headers
 
 
+def invalid_is_400(path: str) -> bool:
+    """Whether an invalid request to `path` is answered 400 rather than 422: on the v2 routes, as
+    Triton answers every invalid request, and on the OpenAI routes, as OpenAI's API does (its
+    `openai` client raises BadRequestError for it)."""
+    return path == "/v2" or path.startswith("/v2/") or path == openai_compat.PATH or path in chat.PATHS
+
+
 def render_error(
     request: Request, status: int, code: str, message: str, headers: Mapping[str, str] | None = None,
     *, unrouted: bool = False,
@@ -208,11 +215,11 @@ def render_error(
     request_id = _request_id(request)
     path = request.url.path
     body: object
+    if status == 422 and invalid_is_400(path):
+        status = 400
     if path == "/v2" or path.startswith("/v2/"):
         body = kserve.error_body(message)
-        status = 400 if status == 422 else status  # v2 (Triton) answers 400 to every invalid request
     elif path == openai_compat.PATH or path in chat.PATHS or unrouted and path.startswith("/v1/"):
-        status = 400 if status == 422 and path in chat.PATHS else status  # OpenAI answers 400 to invalid requests
         body = openai_compat.error_body(status, code, message, request_id)
     else:
         body = error_body(code, message, request_id)

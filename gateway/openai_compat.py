@@ -79,7 +79,7 @@ class EmbeddingsResponse(BaseModel):
 
 
 @router.post(PATH, response_model=EmbeddingsResponse, openapi_extra=request_body(EmbeddingsRequest),
-             responses=error_responses((400, 401, 404, 413, 415, 422, 429, 500, 503, 504), OpenAIError))
+             responses=error_responses((400, 401, 404, 413, 415, 429, 500, 503, 504), OpenAIError))
 async def embeddings(
     request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None
 ) -> Response:

@@ -5,7 +5,7 @@ infer the request body: `request_body` declares it; `install_schemas` adds the m
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fastapi import FastAPI
@@ -53,10 +53,11 @@ def error_responses(statuses: Iterable[int], body: type[BaseModel] = ErrorBody) 
     return {status: {"model": body, "description": _DESCRIPTIONS.get(status, "error")} for status in statuses}
 
 
-def install_schemas(app: FastAPI, served_models: list[str]) -> None:
+def install_schemas(app: FastAPI, served_models: list[str], invalid_is_400: Callable[[str], bool]) -> None:
     """Make `app.openapi()` include the body models `request_body` registered, name the served
     models as the values of every `{model}` path parameter, and drop the 422 FastAPI documents on
-    every route with parameters from the v2 routes, which answer 400 instead (app.render_error)."""
+    every route with parameters from the paths for which `invalid_is_400` is true (the v2 and
+    OpenAI routes, which answer 400 instead: app.render_error)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -64,7 +65,7 @@ def install_schemas(app: FastAPI, served_models: list[str]) -> None:
             schema.setdefault("components", {}).setdefault("schemas", {}).update(_EXTRA_SCHEMAS)
             for path, operations in schema["paths"].items():
                 for operation in operations.values():
-                    if path == "/v2" or path.startswith("/v2/"):
+                    if invalid_is_400(path):
                         operation.get("responses", {}).pop("422", None)
                     for parameter in operation.get("parameters", []):
                         if parameter["in"] == "path" and parameter["name"] == "model":

@@ -137,6 +137,10 @@ async def test_openapi_describes_bodies_and_errors(gateway: httpx.AsyncClient) -
     v2_statuses = {status for path, operations in schema["paths"].items() if path.startswith("/v2")
                    for operation in operations.values() for status in operation["responses"]}
     assert "400" in v2_statuses and "422" not in v2_statuses
+    # So do the OpenAI routes, as OpenAI's API does.
+    for path in ("/v1/embeddings", "/v1/chat/completions", "/v1/completions"):
+        assert "422" not in schema["paths"][path]["post"]["responses"], path
+    assert "400" in schema["paths"]["/v1/embeddings"]["post"]["responses"]
 
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
