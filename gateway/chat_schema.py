@@ -178,7 +178,7 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     try:
         return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
     except ValidationError as exc:
-        error = _telling_error(exc.errors())
+        error = telling_error(exc.errors())
         path = _field_path(data, error["loc"], missing=error["type"] == "missing")
         raise InvalidInputError(f"{path}: {error['msg']}") from None
 
@@ -201,7 +201,7 @@ def _json_type(value: object) -> str:
     return names.get(type(value), type(value).__name__)
 
 
-def _telling_error(errors: list[ErrorDetails]) -> ErrorDetails:
+def telling_error(errors: list[ErrorDetails]) -> ErrorDetails:
     """The error to report. A value checked against a union (`stop`: a string or a list) fails
     each member; the member of the value's own JSON type says what is wrong with it, while the
     others only say it is not of their type (`*_type` errors), so those come last."""

@@ -20,10 +20,12 @@ from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
+from vramguard.gateway.chat_schema import telling_error
 from vramguard.gateway.edge import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import check_json_cost, inference_request, settings_of, submit
 from vramguard.gateway.openapi import error_responses, request_body
 from vramguard.gateway.render import FastJSONResponse
+from vramguard.gateway.schemas import check_wire_ints
 from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError, VramguardError
 from vramguard.shared.models import InputKind
 
@@ -42,7 +44,7 @@ class EmbeddingsRequest(BaseModel):
     input: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds | Annotated[
         list[TokenIds], Field(min_length=1)]
     model: StrictStr
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Literal["float", "base64"] | None = None  # null, OpenAI's default: float
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
     truncate: bool = False
@@ -100,6 +102,8 @@ async def embeddings(
         inputs = _inputs(body)
         parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
         try:
+            for i, value in enumerate(inputs):  # a token id past 64 bits: refused here, not a 500 at pack
+                check_wire_ints(value, f"inputs[{i}]")
             reply = await submit(request, record, inputs, parameters, timeout_ms,
                                  token_ids=not isinstance(inputs[0], str))
         except (InvalidInputError, PayloadTooLargeError) as exc:
@@ -116,7 +120,7 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
     try:
         return EmbeddingsRequest.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        first = telling_error(exc.errors())
         if first["type"] == "json_invalid":
             raise BadBodyError(f"body is not valid JSON: {first['msg']}") from exc
         where = ".".join(str(p) for p in first["loc"][:1]) or "body"
@@ -158,7 +162,7 @@ def _inputs(body: EmbeddingsRequest) -> list[JsonValue]:
     return list(value)  # type: ignore[arg-type]
 
 
-def _encode(vector: object, encoding_format: str) -> np.ndarray | str:
+def _encode(vector: object, encoding_format: str | None) -> np.ndarray | str:
     """One embedding as float32: the array itself (render.json_bytes writes each number as the
     shortest text that reads back as the same float32) or base64 of its little-endian bytes."""
     array = np.asarray(vector, dtype="<f4")

@@ -42,6 +42,26 @@ async def test_integers_the_wire_cannot_carry_are_422(gateway: httpx.AsyncClient
         assert "outside the range" in str(error["message"])
 
 
+async def test_openai_token_ids_the_wire_cannot_carry_are_400(gateway: httpx.AsyncClient) -> None:
+    """A token id past 64 bits is refused naming the input, before it reaches msgpack's pack (where
+    it raised: an unexpected error the app re-raised, a 500 and a closed connection over HTTP)."""
+    wide = 1180591620717411303424  # 2**70
+    for given, named in (([wide], "input:"), ([[1, 2], [wide]], "input[1]:")):
+        response = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": given})
+        error = error_of(response, 400, "invalid_input")
+        assert str(error["message"]).startswith(named) and "outside the range" in str(error["message"]), error
+        assert error["type"] == "invalid_request_error"
+
+
+async def test_openai_embeddings_errors_say_what_is_wrong(gateway: httpx.AsyncClient) -> None:
+    """`input` is a union (a string, strings, token ids, lists of token ids): the message is the
+    member's that matches the value's own type, not "should be a valid string" for every fault."""
+    for given, says in (([], "at least 1 item"), ([-1], "greater than or equal to 0"), ([[]], "at least 1 item")):
+        response = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": given})
+        error = error_of(response, 400, "invalid_input")
+        assert str(error["message"]).startswith("input: ") and says in str(error["message"]), (given, error)
+
+
 async def test_timeout_header_is_ascii_digits_and_checked_even_when_the_body_has_one(
     gateway: httpx.AsyncClient,
 ) -> None:

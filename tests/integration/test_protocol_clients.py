@@ -95,6 +95,11 @@ def test_openai_client_every_input_form_and_both_encodings(stacks: tuple[Stack, 
     lists = client.embeddings.create(model="minilm", input=[[7592, 2088], [7592]], encoding_format="float")
     assert [d.index for d in lists.data] == [0, 1]
     np.testing.assert_allclose(lists.data[0].embedding, by_text, atol=1e-5)
+    # encoding_format null is OpenAI's default, floats (as null is for every optional parameter).
+    null = httpx.post(f"{stack.url}/v1/embeddings",
+                      json={"model": "minilm", "input": TEXTS[0], "encoding_format": None})
+    assert null.status_code == 200, null.text
+    np.testing.assert_allclose(null.json()["data"][0]["embedding"], expected[0], atol=1e-5)
 
 
 def test_openai_models_list_and_retrieve(stacks: tuple[Stack, Stack]) -> None:
