@@ -254,7 +254,11 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Starlette's own 404 (no route) and 405 (wrong method, with its Allow header), in our format.
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
-        return render_error(request, exc.status_code, _http_code(exc.status_code), message, exc.headers,
+        headers = dict(exc.headers or {})
+        allow = headers.get("Allow", "")
+        if "GET" in allow.split(", ") and "HEAD" not in allow.split(", "):
+            headers["Allow"] = f"{allow}, HEAD"  # served for every GET route (gateway/native.py)
+        return render_error(request, exc.status_code, _http_code(exc.status_code), message, headers,
                             unrouted=True)
 
     @app.exception_handler(Exception)

@@ -47,10 +47,14 @@ class GatewayApp(FastAPI):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = native_model(scope)
-        if model is None:
-            await super().__call__(scope, receive, send)
-        else:
+        if model is not None:
             await self.serve_native(scope, receive, send, model)
+        elif scope["type"] == "http" and scope["method"] == "HEAD":
+            # HEAD is GET without the content (RFC 9110 9.3.2), on every GET route: routed as a GET
+            # in a copy of the scope; uvicorn, holding the request's own scope, sends no body.
+            await super().__call__({**scope, "method": "GET"}, receive, send)
+        else:
+            await super().__call__(scope, receive, send)
 
     async def serve_native(self, scope: Scope, receive: Receive, send: Send, model: str) -> None:
         """Serve one native inference request: routes.infer_endpoint's response, or the app's

@@ -143,15 +143,13 @@ async def get_model(model: str, request: Request) -> ModelInfo:
     return _model_info(request, model)
 
 
-@health_router.get("/health/live")
-@health_router.head("/health/live", include_in_schema=False)  # one operation id per path in the schema
+@health_router.get("/health/live")  # and HEAD, as every GET route (gateway/native.py)
 async def live() -> dict[str, str]:
     """Liveness: the gateway process answers."""
     return {"status": "live"}
 
 
 @health_router.get("/health/ready")
-@health_router.head("/health/ready", include_in_schema=False)
 async def ready(request: Request) -> JSONResponse:
     """Readiness: this gateway can serve (gateway/health.py: Redis answers, its tasks run, a served
     model has a live worker); else 503 with the reasons. Redis' own error text only with the API key."""

@@ -206,3 +206,18 @@ def test_a_client_that_stops_reading_is_aborted_at_the_send_deadline(gateway: St
         sock.close()
     log = (gateway.log_dir / "gateway.log").read_text()
     assert "client stopped reading its response; connection aborted" in log
+
+
+def test_head_is_get_without_the_body_on_every_get_route(gateway: Stack) -> None:
+    """RFC 9110 9.3.2: HEAD answers GET's status and headers, with no content; a 405 lists it."""
+    for path in ("/health/live", "/v2/health/live", "/metrics", "/v1/models", "/status.json"):
+        got = httpx.get(f"{gateway.url}{path}")
+        with connect(gateway) as sock:  # raw, so a body sent after the headers would be seen
+            sock.sendall(f"HEAD {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+            answer = read_all(sock)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(f"HTTP/1.1 {got.status_code}".encode()), (path, head)
+        assert body == b"", (path, body[:100])
+        assert b"content-type: " + got.headers["content-type"].encode() in head.lower(), (path, head)
+    wrong = httpx.post(f"{gateway.url}/health/live")
+    assert wrong.status_code == 405 and wrong.headers["Allow"] == "GET, HEAD", wrong.headers
