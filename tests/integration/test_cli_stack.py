@@ -1,12 +1,14 @@
 """`vramguard up` / `down` / `status` on a run folder, for real (the synthetic model, real supervisord,
 Redis, gateway and workers): a hang-up of the terminal stops the whole stack; a stack whose launcher
-died is shown and stopped from its run folder; each start rotates the folder's logs; the launcher is
+died is shown and stopped from its run folder, by the stop command the launcher printed; the saved
+environment is its owner's alone and gone once the stack stops; each start rotates the folder's logs; the launcher is
 ready only when every placed worker is, and otherwise stops with the failing worker's own error; a
 late external Redis is waited for."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -134,9 +136,15 @@ def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the
         shown = vramguard("status", "--run-dir", str(run_dir))
         assert shown.returncode == 0 and "gateway-0" in shown.stdout and "RUNNING" in shown.stdout, shown
         assert len(programs) == 3  # redis, gateway, one worker
-        stopped = vramguard("down", "--run-dir", str(run_dir))
-        assert stopped.returncode == 0, stopped
+        # The saved environment holds the user's (secrets included): its owner's alone.
+        assert (run_dir / "stack.env").stat().st_mode & 0o777 == 0o600
+        # The stop command the launcher printed, run as printed (from any directory, any PATH).
+        printed = first.text().split("from another terminal: ")[1].split(").")[0]
+        stopped = subprocess.run(shlex.split(printed), cwd=tmp_path, env={**cli_env(), "PATH": "/usr/bin:/bin"},
+                                 capture_output=True, text=True, timeout=180)
+        assert stopped.returncode == 0 and "stopped the stack" in stopped.stdout, (printed, stopped)
         assert all(gone(pid, 10) for pid in [first_supervisord, *programs])
+        assert not (run_dir / "stack.env").exists()
         assert vramguard("status", "--run-dir", str(run_dir)).returncode == 3
     with launch(run_dir) as second:
         second.wait_for("vramguard is ready at")
@@ -149,6 +157,7 @@ def test_down_and_status_of_a_stack_whose_launcher_died_then_a_hang_up_stops_the
         os.killpg(second.proc.pid, signal.SIGHUP)
         second.proc.wait(timeout=90)
         assert all(gone(pid) for pid in [supervisord, *programs]), second.text()[-2000:]
+        assert not (run_dir / "stack.env").exists()  # the launcher removed it once the stack stopped
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{second.port}/health/live", timeout=5)
 

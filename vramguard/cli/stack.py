@@ -68,8 +68,20 @@ def rotate_logs(run_dir: Path) -> None:
 
 
 def save_env(run_dir: Path, env: dict[str, str]) -> None:
-    """Keep supervisord's environment in the run folder for `down` and `status`."""
-    (run_dir / STACK_ENV).write_text(json.dumps(env))
+    """Keep supervisord's environment in the run folder for `down` and `status`. It holds the
+    user's environment, VRAMGUARD_API_KEY and any other secret in it included: readable by its
+    owner only (mode 0600, also when the file was there before), and removed once the stack stops
+    (`forget_env`)."""
+    path = run_dir / STACK_ENV
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # a file left by an older start keeps its mode through O_CREAT
+    with os.fdopen(fd, "w") as out:
+        out.write(json.dumps(env))
+
+
+def forget_env(run_dir: Path) -> None:
+    """Remove the saved environment of a stack that has stopped (nothing reads it any more)."""
+    (run_dir / STACK_ENV).unlink(missing_ok=True)
 
 
 def saved_env(run_dir: Path) -> dict[str, str] | None:
@@ -118,12 +130,14 @@ def down(run_dir: Path) -> int:
     1 it did not stop within STOP_TIMEOUT_S."""
     pid = running_pid(run_dir)
     if pid is None:
+        forget_env(run_dir)
         print(f"down: no stack runs in {run_dir}")
         return 0
     os.kill(pid, signal.SIGTERM)  # supervisord stops every program in reverse priority order, then exits
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
         if running_pid(run_dir) is None:
+            forget_env(run_dir)
             print(f"down: stopped the stack in {run_dir}")
             return 0
         time.sleep(0.2)

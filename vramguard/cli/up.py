@@ -15,6 +15,8 @@ import argparse
 import errno
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -33,6 +35,7 @@ from vramguard.cli.readiness import REDIS_WAIT_S, StartWatch, report_failing, wa
 from vramguard.cli.stack import (
     SHIPPED_CONF,
     default_run_dir,
+    forget_env,
     program_states,
     rotate_logs,
     running_pid,
@@ -331,6 +334,17 @@ def run(args: argparse.Namespace) -> int:
     env, groups, settings = prepare(args)
     run_dir = Path(env["VG_RUN_DIR"])
     proc = start(env)
+    try:
+        return _supervise(args, proc, env, groups, settings)
+    finally:
+        if proc.poll() is not None:  # supervisord has exited: its saved environment is of no more use
+            forget_env(run_dir)
+
+
+def _supervise(args: argparse.Namespace, proc: subprocess.Popen[bytes], env: dict[str, str],
+               groups: list[WorkerGroup], settings: Settings) -> int:
+    """Wait for the started stack to be ready, then for it to stop; returns `run`'s exit code."""
+    run_dir = Path(env["VG_RUN_DIR"])
     say(f"{describe(groups, env)}\nup: logs in {run_dir}/ (the previous start's in {run_dir}/previous/)")
     if args.workers_only:
         return watch_workers(proc, run_dir, env)
@@ -344,8 +358,19 @@ def run(args: argparse.Namespace) -> int:
         return 1
     port = env["VRAMGUARD_PORT"]
     say(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
-        f"Ctrl-C stops it (or, from another terminal: vramguard down --run-dir {run_dir}).\n")
+        f"Ctrl-C stops it (or, from another terminal: {cli_command()} down --run-dir {run_dir}).\n")
     return watch_running(proc, watch)
+
+
+def cli_command() -> str:
+    """How a user runs this CLI from another shell: `vramguard` when that name on PATH is this
+    install's script, else the script's own path (`make up` runs it from a venv that is not on
+    PATH), else this Python with `-m vramguard.cli`."""
+    script = Path(sys.executable).parent / "vramguard"
+    on_path = shutil.which("vramguard")
+    if on_path is not None and (not script.exists() or Path(on_path).resolve() == script.resolve()):
+        return "vramguard"
+    return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m vramguard.cli"
 
 
 def describe(groups: list[WorkerGroup], env: Mapping[str, str]) -> str:
