@@ -135,8 +135,12 @@ def check_redis(settings: Settings, embedded: bool) -> bool:
     return True
 
 
-def check_gpus() -> None:
-    """Print each GPU and its free memory (or that there is none: workers run on the CPU)."""
+def check_gpus(sim_gpus: int) -> None:
+    """Print each GPU and its free memory (or that there is none: workers run on the CPU), or the
+    `sim_gpus` simulated ones that replace them."""
+    if sim_gpus > 0:
+        print(f"{OK} gpus: {sim_gpus} simulated (VRAMGUARD_SIM_GPUS), for the synthetic model; this host's are unused")
+        return
     found = gpu_memory(lambda line: print(f"{TROUBLE} gpus: {line}"))
     if not found:
         print(f"{OK} gpus: none found (nvidia-smi); workers run on the CPU")
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     settings = up.load_settings(env)  # exit 2 naming the variable or the models file's field
     models_file = f" and models file {settings.models_file}" if settings.models_file else ""
     print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")
-    check_gpus()
+    check_gpus(settings.sim_gpus)
     groups = up.place(args, settings, lambda line: print(f"{TROUBLE} placement: {line}"))  # exit 2 naming the value
     for line in up.describe(groups, env).splitlines():
         print(f"{OK} placement: {line.removeprefix('up: ')}")
