@@ -18,7 +18,7 @@ from typing import Annotated, Any
 import numpy as np
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
 from vramguard.gateway.edge import (
     JSON,
@@ -47,7 +47,7 @@ MODEL_VERSION = "1"
 # than linear time in the body (a product of thousands of huge dimensions is quadratic, and its
 # decimal form past 4300 digits raises): dimensions are int64 as in Triton, at most MAX_DIMS of them.
 MAX_DIMS = 8
-Dimension = Annotated[int, Field(le=2**63 - 1)]
+Dimension = Annotated[StrictInt, Field(le=2**63 - 1)]  # the protocol's int64: "1", 1.0 and true are refused
 
 router = APIRouter(tags=["kserve-v2"])  # behind the API key when one is set
 health_router = APIRouter(tags=["kserve-v2"])  # open, like /health/*, for probes
@@ -217,6 +217,9 @@ def _read_input(spec: ModelSpec, tensors: list[V2Tensor], binary: bytes, max_row
             raise BadBodyError(f"input {tensor.name!r}: binary_data_size {str(size)[:40]} disagrees with the "
                                f"{len(binary)} bytes after the JSON header")
         values = _from_binary(tensor, binary, count, keep_bytes=spec.input_kind is InputKind.BYTES)
+    elif tensor.data is None:
+        raise BadBodyError(f"input {tensor.name!r}: no data (JSON `data`, or binary data with "
+                           "parameters.binary_data_size)")
     else:
         values = _flatten(tensor.data, count)
     if len(values) != count:
@@ -255,15 +258,16 @@ def _utf8(tensor: V2Tensor, element: bytes) -> str:
 
 
 def _flatten(data: JsonValue, count: int) -> list[object]:
-    """The elements of JSON `data` in row-major order (nested lists flattened, nulls skipped), at
-    most `count` + 1 of them: enough to tell that there are too many."""
+    """The elements of JSON `data` in row-major order (nested lists flattened; a null is an element,
+    which `_typed` refuses, never one silently left out), at most `count` + 1 of them: enough to
+    tell that there are too many."""
     values: list[object] = []
     pending: list[JsonValue] = [data]
     while pending and len(values) <= count:
         item = pending.pop()
         if isinstance(item, list):
             pending.extend(reversed(item))
-        elif item is not None:
+        else:
             values.append(item)
     return values
 

@@ -69,3 +69,22 @@ async def test_unknown_output_and_version_and_json_errors(gateway: httpx.AsyncCl
     assert "FP64" in await error_of(await gateway.post("/v2/models/synthetic/infer", json=not_numbers), 400)
     two_rows = {"inputs": [{"name": "text", "shape": [1, 2], "datatype": "BYTES", "data": [["a", "b"]]}]}
     assert "one element per row" in await error_of(await gateway.post(INFER, json=two_rows), 400)
+
+
+async def test_json_tensors_are_taken_as_written_or_refused(gateway: httpx.AsyncClient) -> None:
+    """A shape is int64s (not "1", 1.0 or true coerced) and a null element is refused, never left
+    out (which would serve [1, 2] for [1, null, 2]); a well-formed tensor reaches admission (503)."""
+    synthetic = "/v2/models/synthetic/infer"
+
+    def tensor(shape: object, data: object) -> dict[str, object]:
+        return {"inputs": [{"name": "input", "shape": shape, "datatype": "FP64", "data": data}]}
+
+    for shape in (["1"], [1.0], [True]):
+        message = await error_of(await gateway.post(synthetic, json=tensor(shape, [1])), 400)
+        assert "shape" in message, message
+    for data in ([1, None, 2], [[1], [None], [2]], [None, None, None]):
+        message = await error_of(await gateway.post(synthetic, json=tensor([3], data)), 400)
+        assert "FP64 elements must be numbers" in message, (data, message)
+    missing = await error_of(await gateway.post(synthetic, json=tensor([1], None)), 400)
+    assert "no data" in missing, missing
+    assert (await gateway.post(synthetic, json=tensor([3], [1, 2, 3]))).status_code == 503
