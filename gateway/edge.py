@@ -36,8 +36,12 @@ def require_media_type(request: Request, accepted: Collection[str], *, allow_mis
     """Raise UnsupportedMediaTypeError (415) unless the Content-Type's media type is in `accepted`
     (parameters such as charset are ignored). `allow_missing`: a request without Content-Type
     passes (KServe v2 clients send none); elsewhere it is refused, so a cross-site form cannot
-    reach inference (a browser sends text/plain or a form type without a preflight)."""
-    value = request.headers.get("content-type")
+    reach inference (a browser sends text/plain or a form type without a preflight). More than one
+    Content-Type header is BadBodyError (400)."""
+    given = request.headers.getlist("content-type")
+    if len(given) > 1:  # a singleton field (RFC 9110 5.3): two differing types leave the body's meaning open
+        raise BadBodyError(f"{len(given)} Content-Type headers; send one")
+    value = given[0] if given else None
     if value is None:
         if allow_missing:
             return
@@ -72,6 +76,9 @@ async def read_body(request: Request, limit_bytes: int) -> bytes:
         raise PayloadTooLargeError(f"decompressed body is over the {limit_bytes}-byte limit")
     if not inflater.eof:
         raise BadBodyError(f"Content-Encoding {encoding} but the stream is truncated")
+    if inflater.unused_data:  # junk, or a second gzip member: what was sent is not what is read
+        raise BadBodyError(f"Content-Encoding {encoding} but {len(inflater.unused_data)} bytes follow the end of "
+                           "its stream (send one stream)")
     return body
 
 

@@ -5,6 +5,7 @@ internal details, and the API key refused at start when blank."""
 from __future__ import annotations
 
 import gzip
+import json
 import logging
 import subprocess
 import sys
@@ -55,6 +56,22 @@ async def test_gzip_and_deflate_bodies_are_read_with_a_cap(settings_factory: Cal
         assert broken.status_code == 400
         other = await gateway.post(INFER, content=body, headers={**JSON, "Content-Encoding": "br"})
         assert other.status_code == 415 and "'br'" in other.text
+        # Bytes after the stream's end (junk, a second member) are not silently dropped.
+        for trailing in (b"junk", gzip.compress(b"[]")):
+            response = await gateway.post(INFER, content=gzip.compress(body) + trailing,
+                                          headers={**JSON, "Content-Encoding": "gzip"})
+            assert response.status_code == 400 and "follow the end" in response.text, response.text
+
+
+async def test_two_content_types_are_400_on_every_route(gateway: httpx.AsyncClient) -> None:
+    """Content-Type is a singleton field: two of them (the first JSON, the second not) are refused,
+    not read by the first."""
+    two = [("Content-Type", "application/json"), ("Content-Type", "text/plain")]
+    for path, body in ((INFER, {"inputs": [1]}), ("/v1/embeddings", {"model": "minilm", "input": "a"}),
+                       ("/v2/models/synthetic/infer",
+                        {"inputs": [{"name": "input", "shape": [1], "datatype": "FP64", "data": [1]}]})):
+        response = await gateway.post(path, content=json.dumps(body).encode(), headers=two)
+        assert response.status_code == 400 and "2 Content-Type headers" in response.text, (path, response.text)
 
 
 async def test_parameters_are_the_models_declared_ones(gateway: httpx.AsyncClient) -> None:
