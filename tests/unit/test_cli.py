@@ -76,6 +76,13 @@ def test_every_option_of_a_subcommand_is_explained_in_its_help(name: str) -> Non
         assert option.option_strings[0] in shown
 
 
+def test_version_is_the_installed_packages(vramguard: Callable[..., Ran]) -> None:
+    import importlib.metadata
+
+    done = vramguard("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"vramguard {importlib.metadata.version('vramguard')}", done
+
+
 def test_profile_is_a_subcommand_with_its_own_help(vramguard: Callable[..., Ran]) -> None:
     done = vramguard("profile", "--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: vramguard profile") and "--model" in done.stdout

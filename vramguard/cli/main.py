@@ -1,4 +1,4 @@
-"""The `vramguard` command (pip install vramguard[worker]): up, down, status, check, profile.
+"""The `vramguard` command (pip install ".[worker,redis]" in a checkout): up, down, status, check, profile.
 
 Each subcommand's --help explains its options; a wrong option or value is one line on stderr that
 starts with the subcommand's name, and exit code 2 (argparse's convention, kept by every
@@ -8,6 +8,7 @@ subcommand for its own refusals).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,15 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 
+def installed_version() -> str:
+    """This install's version (its package metadata), or "unknown" when run from a checkout that
+    was never installed."""
+    try:
+        return importlib.metadata.version("vramguard")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def run_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path,
                         help="the stack's folder, as given to `vramguard up` (default <state dir>/<port>)")
@@ -39,6 +49,7 @@ def run_dir_option(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="vramguard", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"vramguard {installed_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser)
     up_parser = commands.add_parser("up", help="run the whole stack on this machine, in the foreground",
                                     description=up.__doc__, epilog=EPILOG_UP,
