@@ -210,8 +210,9 @@ def render_error(
     *, unrouted: bool = False,
 ) -> JSONResponse:
     """An error response in the shape of the protocol the request's path speaks. `unrouted`: no
-    route serves the path (or not its method); under /v1/ that is OpenAI's shape, the one a client
-    of a route we lack (an `openai` client's /v1/responses) reads, and a superset of ours."""
+    route serves the path (or not its method); a path none serves under /v1/ is answered in
+    OpenAI's shape, the one a client of a route we lack (an `openai` client's /v1/responses) reads,
+    and a superset of ours."""
     request_id = _request_id(request)
     path = request.url.path
     body: object
@@ -219,7 +220,9 @@ def render_error(
         status = 400
     if path == "/v2" or path.startswith("/v2/"):
         body = kserve.error_body(message)
-    elif path == openai_compat.PATH or path in chat.PATHS or unrouted and path.startswith("/v1/"):
+    # A path no route serves (404) under /v1/ gets OpenAI's shape: an `openai` client of a route we
+    # lack reads it. A wrong method (405) names a route we have: its own shape.
+    elif path == openai_compat.PATH or path in chat.PATHS or unrouted and status == 404 and path.startswith("/v1/"):
         body = openai_compat.error_body(status, code, message, request_id)
     else:
         body = error_body(code, message, request_id)

@@ -110,7 +110,11 @@ async def test_unknown_route_and_wrong_method_use_the_error_format(gateway: http
     error = error_of(wrong_method, 405, "method_not_allowed")
     assert error["request_id"] is None
     assert "GET" in wrong_method.headers["Allow"]
-    error_of(await gateway.get(INFER), 405, "method_not_allowed")
+    # A wrong method on the native route answers in the native shape; an unknown /v1/ path in OpenAI's.
+    native = error_of(await gateway.get(INFER), 405, "method_not_allowed")
+    assert set(native) == {"code", "message", "request_id"}, native
+    assert error_of(await gateway.get("/v1/embeddings"), 405, "method_not_allowed")["type"] == "invalid_request_error"
+    assert error_of(await gateway.get("/v1/responses"), 404, "not_found")["type"] == "invalid_request_error"
 
 
 async def test_head_on_health_for_load_balancers(gateway: httpx.AsyncClient) -> None:
