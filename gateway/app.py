@@ -267,7 +267,10 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", extra={"path": request.url.path, "request_id": _request_id(request)})
-        return render_error(request, 500, "internal", "internal error", {"x-should-retry": "false"})
+        # Starlette re-raises after this response and uvicorn then closes the connection: said here
+        # (RFC 9112 9.6), so that a client does not send its next request on it.
+        return render_error(request, 500, "internal", "internal error",
+                            {"x-should-retry": "false", "connection": "close"})
 
 
 def _summarise(errors: Sequence[Any]) -> str:

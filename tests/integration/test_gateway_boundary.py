@@ -4,13 +4,15 @@ the request id on every error of an inference request."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
 import httpx
 import pytest
+import uvicorn
 
-from tests.helpers import gateway_with
+from tests.helpers import free_port, gateway_with, wait_until
 from vramguard.shared.settings import Settings
 
 JSON_TYPE = {"Content-Type": "application/json"}
@@ -174,3 +176,37 @@ async def test_a_401_and_the_openai_errors_before_the_body_carry_a_request_id(
             ids.append(response.json()["error"]["request_id"])
     assert all(isinstance(i, str) and len(i) == 32 for i in ids), ids
     assert len(set(ids)) == len(ids)
+
+
+async def test_an_unexpected_error_is_a_500_that_says_it_closes_the_connection(
+    settings_factory: Callable[..., Settings],
+) -> None:
+    """A bug in a route (one added here that raises) over real HTTP (uvicorn with the gateway's
+    protocol): a 500 `internal` with `Connection: close`, since the connection is closed after it;
+    the request pipelined behind it is not answered on that connection, and was told so."""
+    from vramguard.gateway.app import create_app
+    from vramguard.gateway.server import uvicorn_options
+
+    settings = settings_factory()
+    app = create_app(settings)
+
+    async def bug() -> None:
+        raise RuntimeError("a bug in a route")
+
+    app.add_api_route("/bug", bug)
+    port = free_port()
+    options = {k: v for k, v in uvicorn_options(settings).items() if k != "loop"}  # runs on this test's loop
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None, **options))
+    serving = asyncio.create_task(server.serve())
+    try:
+        await wait_until(lambda: server.started, 30)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"GET /bug HTTP/1.1\r\nHost: x\r\n\r\nGET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        answer = await asyncio.wait_for(reader.read(), 10)  # all of it, until the server closes
+        writer.close()
+        head = answer.split(b"\r\n\r\n", 1)[0].lower()
+        assert head.startswith(b"http/1.1 500") and b"\r\nconnection: close" in head, answer[:500]
+        assert b'"code":"internal"' in answer and answer.count(b"HTTP/1.1 ") == 1, answer[:500]
+    finally:
+        server.should_exit = True
+        await serving
