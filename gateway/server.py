@@ -9,11 +9,6 @@ Limits (Settings, `http_*`):
         end of its headers; past it, 408 and close (slowloris: headers a byte at a time).
     body deadline: from the end of the headers to the end of the body; past it the connection is
         closed and the request counts as `client_disconnected` (a body that never finishes).
-    send deadline: a response's writes held back (the transport's buffer past its high-water mark,
-        so uvicorn's send waits for the client to read) for `http_send_timeout_s` at a stretch;
-        past it the connection is aborted, so a client that stops reading a stream does not hold
-        its request, and the generation behind it, for ever. Aborted, not closed: a close waits to
-        flush what that client will never read.
     connections: past the cap a new connection is closed at once, before reading a byte.
     headers: more than `http_max_headers` headers, or more than `http_max_header_bytes` of request
         line and headers together, get 431 and close.
@@ -51,7 +46,6 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
-        self._send_deadline: asyncio.TimerHandle | None = None
         self._header_count = 0
         self._header_bytes = 0
         super().connection_made(transport)
@@ -63,30 +57,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        self._disarm_send()
         super().connection_lost(exc)
-
-    def pause_writing(self) -> None:
-        """The transport's buffer passed its high-water mark: uvicorn's sends wait from now on,
-        for `http_send_timeout_s` at most."""
-        super().pause_writing()
-        if self._send_deadline is None:
-            self._send_deadline = self.loop.call_later(self.settings.http_send_timeout_s, self._send_late)
-
-    def resume_writing(self) -> None:
-        self._disarm_send()
-        super().resume_writing()
-
-    def _disarm_send(self) -> None:
-        if self._send_deadline is not None:
-            self._send_deadline.cancel()
-            self._send_deadline = None
-
-    def _send_late(self) -> None:
-        self._send_deadline = None
-        log.info("client stopped reading its response; connection aborted",
-                 extra={"client": self.client, "send_timeout_s": self.settings.http_send_timeout_s})
-        self.transport.abort()  # connection_lost: the app's send and receive see a disconnect
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, except that a malformed request is logged at DEBUG (any client can send

@@ -118,8 +118,6 @@ class Settings(BaseSettings):
     http_keep_alive_s: int = Field(75, ge=1, le=3600)
     http_header_timeout_s: float = Field(10.0, gt=0, le=600)  # connection start (or first byte) to end of headers
     http_body_timeout_s: float = Field(60.0, gt=0, le=3600)  # end of headers to end of body
-    # A response's writes held back this long (the client stopped reading): the connection is aborted.
-    http_send_timeout_s: float = Field(30.0, gt=0, le=3600)
     http_max_connections: int = Field(1000, ge=1)  # open connections; past it a new one is closed at once
     http_max_headers: int = Field(100, ge=1, le=10_000)  # header lines per request; past it 431
     http_max_header_bytes: int = Field(16_384, ge=1024, le=1_048_576)  # request line + headers; past it 431

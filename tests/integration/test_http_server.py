@@ -1,7 +1,6 @@
 """The HTTP server against untrusted clients, over raw sockets to a real `python -m vramguard.gateway`:
 ambiguous framing refused and the connection closed, header and body deadlines, the connection
-cap, header limits (431), the keep-alive setting, the send deadline for a client that stops
-reading, and clients that hang up or break a chunk
+cap, header limits (431), the keep-alive setting, and clients that hang up or break a chunk
 counted under their own outcome with no traceback in the log."""
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import pytest
 
 from tests.helpers import Stack
 
-LIMITS = {"http_header_timeout_s": 1, "http_body_timeout_s": 1, "http_send_timeout_s": 1, "http_max_connections": 40,
+LIMITS = {"http_header_timeout_s": 1, "http_body_timeout_s": 1, "http_max_connections": 40,
           "http_keep_alive_s": 1, "http_max_headers": 50, "http_max_header_bytes": 8192}
 
 
@@ -168,44 +167,6 @@ def test_keep_alive_idle_timeout_is_the_setting(gateway: Stack) -> None:
         started = time.monotonic()
         assert sock.recv(4096) == b""  # then closed by the server once idle for 1 s
         assert 0.5 < time.monotonic() - started < 5
-
-
-def test_a_client_that_stops_reading_is_aborted_at_the_send_deadline(gateway: Stack) -> None:
-    """A client asks for far more than the socket buffers hold (pipelined requests for the OpenAPI
-    schema) and never reads: once the gateway's writes have waited 1 s (the send deadline here)
-    the connection is aborted and its file descriptor released, while the client still has not
-    read a byte; the gateway answers others meanwhile and after."""
-    schema_bytes = len(httpx.get(f"{gateway.url}/openapi.json").content)
-    time.sleep(0.2)  # the probe's own connection closed on both sides
-    baseline = open_fds(gateway)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's buffers fill
-    sock.settimeout(10)
-    sock.connect(("127.0.0.1", gateway.port))
-    try:
-        copies = 64 * 1024 * 1024 // schema_bytes + 1  # 64 MiB asked for: past any socket buffer
-        request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
-        sock.setblocking(False)
-        sent = 0
-        for _ in range(copies):
-            try:
-                sock.send(request)  # the gateway stops reading once its writes wait: stop there too
-                sent += 1
-            except BlockingIOError:
-                break
-        assert sent > 2, sent
-        time.sleep(0.5)
-        assert open_fds(gateway) >= baseline + 1  # held open: the writes wait for this client
-        assert httpx.get(f"{gateway.url}/health/live").status_code == 200  # others are answered
-        deadline = time.monotonic() + 10
-        while open_fds(gateway) > baseline and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert open_fds(gateway) <= baseline, "the stalled connection was never aborted"
-        assert httpx.get(f"{gateway.url}/health/live").status_code == 200
-    finally:
-        sock.close()
-    log = (gateway.log_dir / "gateway.log").read_text()
-    assert "client stopped reading its response; connection aborted" in log
 
 
 def test_head_is_get_without_the_body_on_every_get_route(gateway: Stack) -> None:
