@@ -198,11 +198,19 @@ def _error_headers(exc: VramguardError) -> dict[str, str]:
     return headers
 
 
+def _is_v2(path: str) -> bool:
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def _is_openai_route(path: str) -> bool:
+    return path == openai_compat.PATH or path in chat.PATHS
+
+
 def invalid_is_400(path: str) -> bool:
     """Whether an invalid request to `path` is answered 400 rather than 422: on the v2 routes, as
     Triton answers every invalid request, and on the OpenAI routes, as OpenAI's API does (its
     `openai` client raises BadRequestError for it)."""
-    return path == "/v2" or path.startswith("/v2/") or path == openai_compat.PATH or path in chat.PATHS
+    return _is_v2(path) or _is_openai_route(path)
 
 
 def render_error(
@@ -218,11 +226,11 @@ def render_error(
     body: object
     if status == 422 and invalid_is_400(path):
         status = 400
-    if path == "/v2" or path.startswith("/v2/"):
+    if _is_v2(path):
         body = kserve.error_body(message)
     # A path no route serves (404) under /v1/ gets OpenAI's shape: an `openai` client of a route we
     # lack reads it. A wrong method (405) names a route we have: its own shape.
-    elif path == openai_compat.PATH or path in chat.PATHS or unrouted and status == 404 and path.startswith("/v1/"):
+    elif _is_openai_route(path) or unrouted and status == 404 and path.startswith("/v1/"):
         body = openai_compat.error_body(status, code, message, request_id)
     else:
         body = error_body(code, message, request_id)
@@ -258,9 +266,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         # Starlette's own 404 (no route) and 405 (wrong method, with its Allow header), in our format.
         message = f"{request.method} {request.url.path[:200]}: {exc.detail}"
         headers = dict(exc.headers or {})
-        allow = headers.get("Allow", "")
-        if "GET" in allow.split(", ") and "HEAD" not in allow.split(", "):
-            headers["Allow"] = f"{allow}, HEAD"  # served for every GET route (gateway/native.py)
+        allowed = headers.get("Allow", "").split(", ")
+        if "GET" in allowed and "HEAD" not in allowed:
+            headers["Allow"] = ", ".join([*allowed, "HEAD"])  # served for every GET route (gateway/native.py)
         return render_error(request, exc.status_code, _http_code(exc.status_code), message, headers,
                             unrouted=True)
 
