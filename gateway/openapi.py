@@ -57,7 +57,8 @@ def install_schemas(app: FastAPI, served_models: list[str], invalid_is_400: Call
     """Make `app.openapi()` include the body models `request_body` registered, name the served
     models as the values of every `{model}` path parameter, and drop the 422 FastAPI documents on
     every route with parameters from the paths for which `invalid_is_400` is true (the v2 and
-    OpenAI routes, which answer 400 instead: app.render_error)."""
+    OpenAI routes, which answer 400 instead: app.render_error) and from the routes no request to
+    can be invalid."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
@@ -65,7 +66,7 @@ def install_schemas(app: FastAPI, served_models: list[str], invalid_is_400: Call
             schema.setdefault("components", {}).setdefault("schemas", {}).update(_EXTRA_SCHEMAS)
             for path, operations in schema["paths"].items():
                 for operation in operations.values():
-                    if invalid_is_400(path):
+                    if invalid_is_400(path) or not _can_be_invalid(operation):
                         operation.get("responses", {}).pop("422", None)
                     for parameter in operation.get("parameters", []):
                         if parameter["in"] == "path" and parameter["name"] == "model":
@@ -74,3 +75,11 @@ def install_schemas(app: FastAPI, served_models: list[str], invalid_is_400: Call
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _can_be_invalid(operation: dict[str, Any]) -> bool:
+    """Whether FastAPI can refuse a request to `operation` (an OpenAPI operation object) as invalid:
+    not when it takes no body and only plain string parameters, which every request satisfies,
+    although FastAPI documents a 422 for every operation with parameters."""
+    return "requestBody" in operation or any(
+        parameter.get("schema", {}).get("type") != "string" for parameter in operation.get("parameters", []))

@@ -158,6 +158,11 @@ async def test_openapi_describes_bodies_and_errors(gateway: httpx.AsyncClient) -
     for path in ("/v1/embeddings", "/v1/chat/completions", "/v1/completions"):
         assert "422" not in schema["paths"][path]["post"]["responses"], path
     assert "400" in schema["paths"]["/v1/embeddings"]["post"]["responses"]
+    # A route that takes only its path's model name cannot be sent an invalid request: no 422 there,
+    # while the native infer route, whose body can be invalid, keeps its.
+    for path in ("/v1/models/{model}", "/v1/models/{model}/ready"):
+        assert "422" not in schema["paths"][path]["get"]["responses"], path
+    assert "422" in schema["paths"]["/v1/models/{model}/infer"]["post"]["responses"]
 
 
 CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
