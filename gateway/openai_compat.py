@@ -30,6 +30,7 @@ from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError, Vra
 from vramguard.shared.models import InputKind
 
 PATH = "/v1/embeddings"
+TOKEN_ID_ADVICE = "a token id is an index into the model's vocabulary, far below that"
 
 router = APIRouter(tags=["openai"])
 
@@ -103,7 +104,7 @@ async def embeddings(
         parameters: dict[str, JsonValue] = {"truncate": True} if body.truncate else {}
         try:
             for i, value in enumerate(inputs):  # a token id past 64 bits: refused here, not a 500 at pack
-                check_wire_ints(value, f"inputs[{i}]")
+                check_wire_ints(value, f"inputs[{i}]", TOKEN_ID_ADVICE)
             reply = await submit(request, record, inputs, parameters, timeout_ms,
                                  token_ids=not isinstance(inputs[0], str))
         except (InvalidInputError, PayloadTooLargeError) as exc:

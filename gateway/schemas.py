@@ -91,22 +91,23 @@ def parse_infer_request(body: bytes) -> InferRequest:
     return parsed
 
 
-def check_wire_ints(value: JsonValue, where: str) -> None:
+def check_wire_ints(value: JsonValue, where: str, advice: str = "send it as a string or a float") -> None:
     """Raise InvalidInputError naming `where` for an integer outside the 64-bit range msgpack encodes
-    (it would otherwise fail in shared/protocol.py's pack, after validation, as a 500)."""
+    (it would otherwise fail in shared/protocol.py's pack, after validation, as a 500). `advice` ends
+    the message: what the client can send instead, which depends on what the integer stands for."""
     if isinstance(value, int) and not WIRE_INT_MIN <= value <= WIRE_INT_MAX:
         digits = str(value)  # pydantic's JSON parser stops at ~4300 digits, below str()'s limit
         shown = digits if len(digits) <= 40 else f"{digits[:20]}...({len(digits)} digits)"
         raise InvalidInputError(
             f"{where}: integer {shown} is outside the range the gateway can carry "
-            f"({WIRE_INT_MIN} to {WIRE_INT_MAX}); send it as a string or a float"
+            f"({WIRE_INT_MIN} to {WIRE_INT_MAX}); {advice}"
         )
     if isinstance(value, list):
         for item in value:
-            check_wire_ints(item, where)
+            check_wire_ints(item, where, advice)
     elif isinstance(value, dict):
         for item in value.values():
-            check_wire_ints(item, where)
+            check_wire_ints(item, where, advice)
 
 
 def check_input_count(model: str, config: ModelConfig, n_inputs: int) -> None:

@@ -52,6 +52,7 @@ async def test_openai_token_ids_the_wire_cannot_carry_are_400(gateway: httpx.Asy
         response = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": given})
         error = error_of(response, 400, "invalid_input")
         assert str(error["message"]).startswith(named) and "outside the range" in str(error["message"]), error
+        assert "vocabulary" in str(error["message"]) and "string" not in str(error["message"]), error
         assert error["type"] == "invalid_request_error"
 
 
