@@ -15,6 +15,7 @@ slash, a path that names no model) goes through the stack and answers as it alwa
 from __future__ import annotations
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -49,6 +50,11 @@ class GatewayApp(FastAPI):
         model = native_model(scope)
         if model is not None:
             await self.serve_native(scope, receive, send, model)
+        elif scope["type"] == "http" and scope["path"].endswith("\n"):
+            # Starlette's route patterns end in `$`, which also matches before a final newline: a path
+            # ending in one (%0A) would be served as the path without it. No route's path ends so.
+            request = Request(scope, receive, send)
+            await (await self._handle(request, StarletteHTTPException(404)))(scope, receive, send)
         elif scope["type"] == "http" and scope["method"] == "HEAD":
             # HEAD is GET without the content (RFC 9110 9.3.2), on every GET route: routed as a GET
             # in a copy of the scope; uvicorn, holding the request's own scope, sends no body.

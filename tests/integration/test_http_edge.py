@@ -74,6 +74,15 @@ async def test_two_content_types_are_400_on_every_route(gateway: httpx.AsyncClie
         assert response.status_code == 400 and "2 Content-Type headers" in response.text, (path, response.text)
 
 
+async def test_a_path_ending_in_a_newline_is_404(gateway: httpx.AsyncClient) -> None:
+    """Starlette's `$` also matches before a final newline: /health/live%0A must not be /health/live."""
+    for method, path in (("GET", "/health/live%0A"), ("HEAD", "/health/live%0A"), ("GET", "/v1/models%0A"),
+                         ("POST", INFER + "%0A")):
+        response = await gateway.request(method, path, json={"inputs": [1]} if method == "POST" else None)
+        assert response.status_code == 404, (method, path, response.status_code)
+    assert (await gateway.get("/health/live")).status_code == 200
+
+
 async def test_parameters_are_the_models_declared_ones(gateway: httpx.AsyncClient) -> None:
     unknown = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncat": True}})
     assert unknown.status_code == 422 and "parameters.truncat" in unknown.text and "truncate" in unknown.text
