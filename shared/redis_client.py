@@ -73,7 +73,7 @@ def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
     password = settings.redis_sentinel_password.get_secret_value() if settings.redis_sentinel_password else None
     sentinel_kwargs = {"socket_timeout": CONNECT_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
                        "password": password}
-    return Sentinel(  # type: ignore[no-untyped-call]
+    return Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # untyped in older redis-py
         sentinels, sentinel_kwargs=sentinel_kwargs, username=url.username, password=url.password,
                     db=db, **client_kwargs)
 
