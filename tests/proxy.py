@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 
 from tests.helpers import free_port
 
@@ -133,7 +134,17 @@ class FaultProxy:
         self._thread.join(10)
 
     def inject(self, command: bytes, faults: list[bytes]) -> None:
-        self._loop.call_soon_threadsafe(lambda: self._faults.setdefault(command.upper(), []).extend(faults))
+        """Queue `faults` for `command`; returns once the proxy's thread holds them, so that every
+        such command sent after this call meets them first (not one already on its way)."""
+        held = threading.Event()
+
+        def add() -> None:
+            self._faults.setdefault(command.upper(), []).extend(faults)
+            held.set()
+
+        self._loop.call_soon_threadsafe(add)
+        if not held.wait(5):
+            raise RuntimeError("the proxy's thread did not take the faults within 5 s")
 
     def delay_replies(self, command: bytes, delay_s: float) -> None:
         self._loop.call_soon_threadsafe(self._delays.__setitem__, command.upper(), delay_s)

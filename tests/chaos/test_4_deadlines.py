@@ -48,8 +48,14 @@ async def test_expired_requests_get_504_and_cost_no_forward(chaos_stack, chaos_r
     async with Load(chaos_stack.url, clients=201) as load:
         overhead_s = await slowest_immediate_answer_s(load, 200)
         slack_s = 2 * overhead_s + 0.25
+        executions = Keys(chaos_stack.settings["key_prefix"]).executions("synthetic")
+        recorded = await redis.hlen(executions)
+
+        async def taken() -> bool:  # recorded just before its forward: the blocker's batch is closed
+            return bool(await redis.hlen(executions) > recorded)
+
         blocker = asyncio.ensure_future(load.request())
-        await asyncio.sleep(0.1)  # the worker has taken it: a 3 s forward is running
+        await wait_until(taken, 10, interval_s=0.01)  # the worker has taken it: a 3 s forward is running
         short = await asyncio.gather(*(load.request(timeout_ms=SHORT_MS) for _ in range(200)))
         assert (await blocker).status == 200
         normal = await asyncio.gather(*(load.request() for _ in range(200)))

@@ -89,7 +89,11 @@ async def test_gateway_sigterm_flips_readiness_drains_then_fails_the_rest(chaos_
         second = asyncio.ensure_future(load.request())
         await wait_until(lambda: depth(2, 1), 5)
         chaos_stack.gateway.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.3)  # uvicorn checks for the signal every 0.1 s
+
+        async def flipped() -> bool:  # uvicorn checks for the signal every 0.1 s
+            return bool((await load._pools[0].get("/health/ready")).status_code == 503)
+
+        await wait_until(flipped, 2, interval_s=0.05)
         ready = await load._pools[0].get("/health/ready")
         refused = await load.request()
         a, b = await first, await second

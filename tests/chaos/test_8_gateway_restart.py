@@ -46,6 +46,15 @@ async def test_a_dead_gateways_replies_go_nowhere_else_and_expire(chaos_stack, c
             await orphan
         except httpx.HTTPError:
             pass  # its client lost the connection with the gateway; nobody else may get its answer
+
+    async def orphan_answered() -> bool:
+        return await chaos_redis.xlen(stream) == 0
+
+    # Read before a new gateway starts: the dead one's stream expires TTL_S after its last write,
+    # and a slow start could outlast that.
+    await wait_until(orphan_answered, 5)
+    old = [r.outputs for _id, f in await chaos_redis.xrange(old_stream) for r in ReplyMessage.from_entry(f)]
+    assert old == [["orphan"]]  # answered into the dead gateway's stream only
     chaos_stack.start_gateway()
     await chaos_stack.wait_ready()
     async with httpx.AsyncClient(base_url=chaos_stack.url, timeout=10) as client:
@@ -53,13 +62,6 @@ async def test_a_dead_gateways_replies_go_nowhere_else_and_expire(chaos_stack, c
     assert fresh.status_code == 200 and fresh.json()["outputs"] == ["fresh"]
     streams = {k async for k in chaos_redis.scan_iter(match=keys.reply_stream("*"))}
     (new_stream,) = streams - {old_stream}
-
-    async def orphan_answered() -> bool:
-        return await chaos_redis.xlen(stream) == 0
-
-    await wait_until(orphan_answered, 5)
-    old = [r.outputs for _id, f in await chaos_redis.xrange(old_stream) for r in ReplyMessage.from_entry(f)]
-    assert old == [["orphan"]]  # answered into the dead gateway's stream only
     new = [r.outputs for _id, f in await chaos_redis.xrange(new_stream) for r in ReplyMessage.from_entry(f)]
     assert ["orphan"] not in new
 

@@ -80,7 +80,14 @@ async def test_two_workers_share_the_load(stack: Stack) -> None:
             *(client.post("/v1/models/synthetic/infer", json={"inputs": [i]}) for i in range(200))
         )
         assert [r.json()["outputs"] for r in responses] == [[i] for i in range(200)]
-        await asyncio.sleep(0.5)  # one more heartbeat carries the final counters
-        workers = (await client.get("/v1/models/synthetic")).json()["workers"]
-        served = {w: int(beat["requests"]) for w, beat in workers.items()}
+
+        async def counted() -> dict[str, int]:  # as the heartbeats the gateway last read say
+            workers = (await client.get("/v1/models/synthetic")).json()["workers"]
+            return {w: int(beat["requests"]) for w, beat in workers.items()}
+
+        async def all_counted() -> bool:  # the final counters arrive with a later heartbeat
+            return sum((await counted()).values()) >= 200
+
+        await wait_until(all_counted, 10)
+        served = await counted()
         assert len(served) == 2 and all(n > 0 for n in served.values()), served
