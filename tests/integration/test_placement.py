@@ -132,7 +132,12 @@ async def test_two_forwards_in_flight_run_without_oom(stack: Stack, tmp_path: Pa
     statuses = await closed_loop(stack.url, 100, 5.0)
     assert set(statuses) == {200}, (statuses, stack.logs())
     async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-        await asyncio.sleep(1)
+
+        async def counted() -> bool:  # the heartbeat the gateway last read has counted every request
+            (beat,) = (await live_beats(client)).values()
+            return int(beat["requests"]) >= statuses[200]  # type: ignore[call-overload]
+
+        await wait_until(counted, 10)
         (beat,) = (await live_beats(client)).values()
     assert beat["plan_inflight_batches"] == 2 and beat["plan_batch_size"] == 14
     assert beat["max_concurrent_forwards"] == 2 and beat["oom_events"] == 0
