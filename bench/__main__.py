@@ -25,6 +25,28 @@ QUICK = {"duration_s": 2.0, "warmup_s": 0.5, "concurrencies": (1, 64), "physical
          "scale_workers": (1, 8), "pairs": 2, "out_dir": ROOT / "bench" / "results-quick"}
 
 
+# The commands that need matplotlib (the bench extra), and what for; every other one runs without it.
+NEEDS_MATPLOTLIB = {
+    "report": "draws the results' plot.png",
+    "all": "draws the results' plot.png, and its image suite sends matplotlib's sample photo",
+    "image": "sends matplotlib's sample photo",
+}
+MATPLOTLIB_INSTALL = 'pip install matplotlib, or the bench extra: pip install -e ".[bench]"'
+
+
+def missing_matplotlib(command: str) -> str | None:
+    """Why `command` cannot run here, naming the pip command, when it needs matplotlib and
+    matplotlib is not installed; else None. Checked before anything runs: `all` would otherwise
+    fail only at its report, after every suite."""
+    if command not in NEEDS_MATPLOTLIB:
+        return None
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return f"needs matplotlib ({NEEDS_MATPLOTLIB[command]}): {MATPLOTLIB_INSTALL}"
+    return None
+
+
 def _concurrencies(text: str) -> tuple[int, ...]:
     values = tuple(int(v) for v in text.split(",") if v.strip())
     if not values or min(values) < 1:
@@ -120,6 +142,10 @@ def run_load(url: str, cfg: BenchConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    missing = missing_matplotlib(args.command)
+    if missing is not None:
+        print(f"bench {args.command}: {missing}", file=sys.stderr)
+        return 2
     if args.command == "physical" and args.in_process:
         return physical_in_process(config_from(args))
     if args.command == "corpus":

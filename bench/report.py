@@ -12,14 +12,10 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-import matplotlib
 import numpy as np
 
 from bench import generate_figures
 from bench.figures import COST_BASELINE, Figures, PeerFigures, spread, summary_figures, target_rows
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
@@ -89,7 +85,17 @@ def serving_rows(records: list[Record], ceiling: float | None) -> list[list[obje
 
 
 def plot(groups: dict[str, list[Record]], ceiling: float | None, peer: PeerFigures | None, path: Path) -> None:
-    """Throughput (req/s) and p95 (ms, log scale) against concurrency, one line per configuration."""
+    """Throughput (req/s) and p95 (ms, log scale) against concurrency, one line per configuration.
+
+    Raises ModuleNotFoundError when matplotlib is not installed (the bench extra brings it).
+    """
+    # Imported here, not at the top: `python -m bench --help` and the suites that draw nothing
+    # work without matplotlib.
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
     fig, (ax_rps, ax_p95) = plt.subplots(1, 2, figsize=(13, 5))
     by_config: dict[str, list[Record]] = defaultdict(list)
     for record in groups.get("strategies", []):

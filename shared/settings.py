@@ -7,6 +7,7 @@ message naming it.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import socket
@@ -21,6 +22,8 @@ from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelS
 
 ENV_PREFIX = "VRAMGUARD_"
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
+# Where a user finds every setting's name; an unknown-setting error points here instead of listing them.
+SETTINGS_LIST = "README 'Settings', or python -m vramguard.gateway --help"
 
 
 class SettingsError(ValueError):
@@ -382,13 +385,37 @@ def mask_url_password(url: str) -> str:
 
 def check_env_names(environ: Mapping[str, str]) -> None:
     """Raise SettingsError for a VRAMGUARD_* name that no setting has (pydantic-settings ignores
-    them silently, so a typo like VRAMGUARD_MAX_BATCH would otherwise do nothing)."""
+    them silently, so a typo like VRAMGUARD_MAX_BATCH would otherwise do nothing), or for an
+    unknown per-model knob (VRAMGUARD_MODELS__<MODEL>__<KNOB>). The message names the variable
+    and suggests the closest names; it points to SETTINGS_LIST rather than printing every name."""
     known = {name.upper() for name in Settings.model_fields}
+    knobs = {name.upper() for name in ModelOverrides.model_fields}
     for key in environ:
-        if key.upper().startswith(ENV_PREFIX):
-            head = key[len(ENV_PREFIX) :].split("__", 1)[0].upper()
-            if head not in known:
-                raise SettingsError(f"unknown setting {key}; known: {', '.join(ENV_PREFIX + k for k in sorted(known))}")
+        if not key.upper().startswith(ENV_PREFIX):
+            continue
+        parts = key[len(ENV_PREFIX) :].upper().split("__")
+        if parts[0] not in known:
+            raise SettingsError(f"unknown setting {key}; {_suggest_setting(parts[0], known, knobs)}")
+        if parts[0] == "MODELS" and len(parts) >= 3 and parts[2] not in knobs:
+            model = f"{ENV_PREFIX}MODELS__{parts[1]}__"
+            guesses = difflib.get_close_matches(parts[2], knobs, n=3)
+            raise SettingsError(f"unknown setting {key}; {_did_you_mean([model + g for g in guesses])}")
+
+
+def _suggest_setting(name: str, known: set[str], knobs: set[str]) -> str:
+    """The closest settings to the unknown `name` (upper case, no prefix): top-level ones, and
+    per-model knobs spelled as their VRAMGUARD_MODELS__<MODEL>__ variable, since a knob such as
+    MAX_BATCH_SIZE is often set without the model it belongs to."""
+    guesses = difflib.get_close_matches(name, known | knobs, n=3)
+    return _did_you_mean([f"{ENV_PREFIX}MODELS__<MODEL>__{g}" if g in knobs else ENV_PREFIX + g for g in guesses])
+
+
+def _did_you_mean(names: list[str]) -> str:
+    """The tail of an unknown-setting message: the suggestions, then where every name is listed."""
+    if not names:
+        return f"no setting has a similar name (every setting: {SETTINGS_LIST})"
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+    return f"did you mean {listed}? (every setting: {SETTINGS_LIST})"
 
 
 def _describe(exc: ValueError) -> str:

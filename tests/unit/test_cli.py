@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import platform
+import shlex
 import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,10 +21,11 @@ import pytest
 import redis
 
 from tests.helpers import ROOT, RedisServer, free_port
-from vramguard.cli import check, placed
+from vramguard.cli import check, placed, up
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.main import build_parser, main
 from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
+from vramguard.cli.readiness import report_failing
 from vramguard.gateway.health import Health
 from vramguard.gateway.observe import model_status, placed_workers
 from vramguard.shared.heartbeat import WorkerBeat
@@ -128,6 +130,17 @@ def test_the_placement_option_describes_the_file_a_pip_install_does_not_ship(nam
 def test_down_and_status_name_themselves(vramguard: Callable[..., Ran], tmp_path: Path, name: str, code: int) -> None:
     done = vramguard(name, "--run-dir", str(tmp_path))
     assert done.returncode == code and done.stdout == f"{name}: no stack runs in {tmp_path}\n", done
+
+
+@pytest.mark.parametrize(("name", "code"), [("down", 0), ("status", 3)])
+def test_down_and_status_quote_the_run_folder_they_name(vramguard: Callable[..., Ran], tmp_path: Path, name: str,
+                                                        code: int) -> None:
+    """A folder whose path holds a space, a quote and a `$` is named as a shell reads it back."""
+    run_dir = tmp_path / "it's $HOME"
+    done = vramguard(name, "--run-dir", str(run_dir))
+    assert done.returncode == code, done
+    shown = done.stdout.removeprefix(f"{name}: no stack runs in ").strip()
+    assert shlex.split(shown) == [str(run_dir)], done.stdout
 
 
 def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],
@@ -295,3 +308,94 @@ def test_up_refuses_a_taken_redis_port_before_creating_its_run_folder(vramguard:
     assert done.returncode == 1, done
     assert f"up: port {bound_port} (embedded Redis) is taken; use --redis-port" in done.stdout, done
     assert not run_dir.exists()
+
+
+@pytest.mark.parametrize(("settings", "suggested"), [
+    ({"watermrk": "0.5"}, "did you mean VRAMGUARD_WATERMARK?"),
+    # A per-model knob set without its model: the suggestion is its per-model variable.
+    ({"max_batch_sise": "8"}, "did you mean VRAMGUARD_MODELS__<MODEL>__MAX_BATCH_SIZE?"),
+    ({"models__minilm__max_batch_sise": "8"}, "did you mean VRAMGUARD_MODELS__MINILM__MAX_BATCH_SIZE?"),
+    ({"zzzzzz": "1"}, "no setting has a similar name"),
+])
+def test_an_unknown_setting_is_named_with_the_closest_names_not_every_name(vramguard: Callable[..., Ran],
+                                                                          settings: dict[str, str],
+                                                                          suggested: str) -> None:
+    """1. `vramguard check` with one misspelled VRAMGUARD_* variable.
+    Result: exit 2, one line naming the variable as set, the closest valid names, and where every
+    name is listed; not the list itself (about 60 names)."""
+    done = vramguard("check", "--port", str(free_port()), **settings)
+    assert done.returncode == 2, done
+    line = done.stderr.strip()
+    name = f"VRAMGUARD_{next(iter(settings)).upper()}"
+    assert line.startswith(f"check: unknown setting {name}; {suggested}") and len(line.splitlines()) == 1, line
+    assert "README 'Settings'" in line and "VRAMGUARD_ACCESS_LOG" not in line, line
+
+
+@pytest.fixture
+def listening_port() -> Iterator[int]:
+    """A port on 127.0.0.1 with a listener: the gateway's port taken by another server."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def test_up_reports_every_taken_port_at_once(vramguard: Callable[..., Ran], tmp_path: Path, bound_port: int,
+                                             listening_port: int) -> None:
+    """1. `vramguard up` with its embedded Redis's port bound by another socket and its gateway's
+       port listened on by another server.
+    Result: exit 1 naming both ports, each with the option that moves it, in one start; no run folder."""
+    run_dir = tmp_path / "run"
+    done = vramguard("up", "--model", "synthetic", "--port", str(listening_port), "--redis-port", str(bound_port),
+                     "--run-dir", str(run_dir))
+    assert done.returncode == 1, done
+    assert done.stdout.splitlines()[-2:] == [
+        f"up: port {bound_port} (embedded Redis) is taken; {up.PORT_TAKEN_HINTS['embedded Redis']}",
+        f"up: port {listening_port} (gateway) is taken; {up.PORT_TAKEN_HINTS['gateway']}",
+    ], done
+    assert not run_dir.exists()
+
+
+@pytest.mark.parametrize("folder", ["my run", "tab\there", "new\nline"])
+def test_up_refuses_a_run_folder_with_whitespace_before_creating_it(vramguard: Callable[..., Ran], tmp_path: Path,
+                                                                   bound_port: int, folder: str) -> None:
+    """supervisor splits `[include] files=` on whitespace, with no quoting: such a folder would start
+    a stack without its workers. The embedded Redis's port is taken, so a launcher that let the
+    folder through stops there (exit 1) instead of starting a stack.
+    Result: exit 2, one line naming the folder (a tab or newline escaped) and why; nothing created."""
+    run_dir = tmp_path / folder
+    done = vramguard("up", "--model", "synthetic", "--port", str(free_port()), "--redis-port", str(bound_port),
+                     "--run-dir", str(run_dir))
+    assert done.returncode == 2, done
+    line = done.stderr.strip()
+    assert line.startswith(f"up: --run-dir {str(run_dir)!r} contains whitespace") and "supervisor" in line
+    assert len(line.splitlines()) == 1 and not run_dir.exists(), line
+
+
+def test_the_stop_command_up_prints_for_a_running_stack_pastes_as_printed(vramguard: Callable[..., Ran],
+                                                                          tmp_path: Path) -> None:
+    """1. A run folder whose path holds a quote and a `$`, with a live supervisord pid file in it
+       (this test's own pid).
+    2. `vramguard up` in that folder.
+    Result: exit 1; the stop command it prints, split as a shell would, is `down --run-dir` with
+    the folder's exact path."""
+    run_dir = tmp_path / "it's" / "$HOME"
+    run_dir.mkdir(parents=True)
+    (run_dir / "supervisord.pid").write_text(str(os.getpid()))
+    done = vramguard("up", "--model", "synthetic", "--port", str(free_port()), "--redis-port", str(free_port()),
+                     "--run-dir", str(run_dir))
+    assert done.returncode == 1, done
+    printed = done.stdout.split("`")[1]
+    assert shlex.split(printed)[-3:] == ["down", "--run-dir", str(run_dir)], printed
+    assert shlex.split(printed)[:-3] == shlex.split(up.cli_command()), printed
+
+
+def test_the_log_of_a_program_that_cannot_start_is_named_as_a_shell_reads_it_back(tmp_path: Path) -> None:
+    """What `up` says when a program cannot start: its log's path pastes as printed."""
+    run_dir = tmp_path / "it's $HOME"
+    run_dir.mkdir()
+    (run_dir / "worker-synthetic-cpu-0.log").write_text("Traceback: boom\n")
+    said: list[str] = []
+    report_failing(["worker-synthetic-cpu:worker-synthetic-cpu-0"], run_dir, said.append)
+    assert shlex.split(said[0].split("; see ", 1)[1]) == [str(run_dir / "worker-synthetic-cpu-0.log")], said
+    assert said[1:] == ["    Traceback: boom"]

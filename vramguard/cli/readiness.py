@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shlex
 import subprocess
 import time
 from collections.abc import Callable
@@ -123,7 +124,7 @@ def report_failing(names: list[str], run_dir: Path, say: Say) -> None:
     lines when it logged none, a traceback say)."""
     for name in names:
         log_path = run_dir / f"{name.split(':')[-1]}.log"
-        say(f"up: {name} cannot start; see {log_path}")
+        say(f"up: {name} cannot start; see {shlex.quote(str(log_path))}")
         text = read_since(log_path, {})
         reasons = logged_errors(text)[-3:] or [line for line in text.splitlines() if line.strip()][-3:]
         for reason in reasons:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -117,9 +118,10 @@ def status(run_dir: Path) -> int:
     env = saved_env(run_dir)
     pid = running_pid(run_dir)
     if env is None or pid is None:
-        print(f"status: no stack runs in {run_dir}")
+        print(f"status: no stack runs in {shlex.quote(str(run_dir))}")
         return 3
-    print(f"status: supervisord pid {pid}, run folder {run_dir}, gateway port {env.get('VRAMGUARD_PORT', '?')}")
+    print(f"status: supervisord pid {pid}, run folder {shlex.quote(str(run_dir))}, "
+          f"gateway port {env.get('VRAMGUARD_PORT', '?')}")
     print(ctl(run_dir, env, "status").stdout.rstrip())
     return 0
 
@@ -131,16 +133,16 @@ def down(run_dir: Path) -> int:
     pid = running_pid(run_dir)
     if pid is None:
         forget_env(run_dir)
-        print(f"down: no stack runs in {run_dir}")
+        print(f"down: no stack runs in {shlex.quote(str(run_dir))}")
         return 0
     os.kill(pid, signal.SIGTERM)  # supervisord stops every program in reverse priority order, then exits
     deadline = time.monotonic() + STOP_TIMEOUT_S
     while time.monotonic() < deadline:
         if running_pid(run_dir) is None:
             forget_env(run_dir)
-            print(f"down: stopped the stack in {run_dir}")
+            print(f"down: stopped the stack in {shlex.quote(str(run_dir))}")
             return 0
         time.sleep(0.2)
-    print(f"down: supervisord (pid {pid}) did not stop in {STOP_TIMEOUT_S} s; see {run_dir}/supervisord.log",
-          file=sys.stderr)
+    print(f"down: supervisord (pid {pid}) did not stop in {STOP_TIMEOUT_S} s; see "
+          f"{shlex.quote(str(run_dir / 'supervisord.log'))}", file=sys.stderr)
     return 1

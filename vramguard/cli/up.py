@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default {REDIS_WAIT_S} s)")
     parser.add_argument("--run-dir", type=Path,
                         help=f"the stack's folder: logs, supervisor socket, generated programs (default "
-                        f"{state_dir()}/<port>, or <state dir>/workers with --workers-only)")
+                        f"{state_dir()}/<port>, or <state dir>/workers with --workers-only); its path must hold no "
+                        "whitespace, which supervisor's [include] cannot take")
     parser.add_argument("--workers-only", action="store_true",
                         help="run only the worker programs (a worker container; Redis and the gateway run elsewhere)")
 
@@ -249,6 +250,7 @@ def build_env(args: argparse.Namespace, groups: list[WorkerGroup] | None = None)
     if models_file:  # the programs run in the folder `up` runs in; an absolute path survives a later `cd`
         env["VRAMGUARD_MODELS_FILE"] = str(Path(models_file).resolve())
     run_dir = (args.run_dir or default_run_dir("workers" if args.workers_only else env["VRAMGUARD_PORT"])).resolve()
+    refuse_spaced_run_dir(run_dir, given=args.run_dir is not None)
     env.update(
         VG_ROOT=str(Path.cwd()),  # the programs' folder: `python -m` puts it first on sys.path (--backend's package)
         VG_RUN_DIR=str(run_dir),
@@ -266,6 +268,22 @@ def build_env(args: argparse.Namespace, groups: list[WorkerGroup] | None = None)
     return env
 
 
+def refuse_spaced_run_dir(run_dir: Path, given: bool) -> None:
+    """Refuse (exit 2) a run folder whose path holds whitespace, before anything is created there.
+
+    supervisord.conf names the generated programs with `[include] files=VG_RUN_DIR/workers.conf`,
+    and supervisor splits that value on whitespace with no quoting, so such a folder would start
+    a stack without its workers. `given`: the path came from --run-dir, else it is the default.
+    """
+    if not any(char.isspace() for char in str(run_dir)):
+        return
+    # repr, not shlex.quote: a tab or a newline shows as \t or \n and the refusal stays one line.
+    where = f"--run-dir {str(run_dir)!r}" if given else (
+        f"the default run folder {str(run_dir)!r} (XDG_STATE_HOME, else ~/.local/state)")
+    refuse(f"{where} contains whitespace, which supervisor cannot take: it splits the path of the programs it "
+           "includes on whitespace, with no quoting; give --run-dir a folder whose path has none")
+
+
 def name_models(env: dict[str, str], groups: list[WorkerGroup]) -> None:
     """The models of the placement: the gateway serves every one of them."""
     models = list(dict.fromkeys(g.model for g in groups))
@@ -281,15 +299,18 @@ def redis_server() -> str:
 
 
 def check_ports(env: dict[str, str], workers_only: bool, host: str) -> None:
-    """Exit 1 naming the port and the option that moves it when the gateway's (on `host`) or the
-    embedded Redis's port is taken."""
+    """Exit 1 when the gateway's port (on `host`) or the embedded Redis's port is taken, with one
+    line per taken port naming it and the option that moves it. Every port is checked before
+    exiting, so a user who moves one does not run into the next on the following start."""
     if workers_only:
         return
-    if env["VG_START_REDIS"] == "true" and port_in_use(int(env["VG_REDIS_PORT"])):
-        say(f"up: port {env['VG_REDIS_PORT']} (embedded Redis) is taken; {PORT_TAKEN_HINTS['embedded Redis']}")
-        sys.exit(1)
-    if port_in_use(int(env["VRAMGUARD_PORT"]), host):
-        say(f"up: port {env['VRAMGUARD_PORT']} (gateway) is taken; {PORT_TAKEN_HINTS['gateway']}")
+    ports = {"gateway": (int(env["VRAMGUARD_PORT"]), host)}
+    if env["VG_START_REDIS"] == "true":
+        ports = {"embedded Redis": (int(env["VG_REDIS_PORT"]), "127.0.0.1"), **ports}
+    taken = [f"up: port {port} ({what}) is taken; {PORT_TAKEN_HINTS[what]}"
+             for what, (port, on) in ports.items() if port_in_use(port, on)]
+    if taken:
+        say("\n".join(taken))
         sys.exit(1)
 
 
@@ -320,8 +341,8 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     run_dir = Path(env["VG_RUN_DIR"])
     pid = running_pid(run_dir)
     if pid is not None:
-        say(f"up: a stack already runs in {run_dir} (supervisord pid {pid}); `vramguard down --run-dir {run_dir}` "
-            "stops it")
+        say(f"up: a stack already runs in {shlex.quote(str(run_dir))} (supervisord pid {pid}); "
+            f"`{stop_command(run_dir)}` stops it")
         sys.exit(1)
     if args.backend:
         serve_backend(args, env, run_dir)
@@ -366,7 +387,8 @@ def _supervise(args: argparse.Namespace, proc: subprocess.Popen[bytes], env: dic
                groups: list[WorkerGroup], settings: Settings) -> int:
     """Wait for the started stack to be ready, then for it to stop; returns `run`'s exit code."""
     run_dir = Path(env["VG_RUN_DIR"])
-    say(f"{describe(groups, env)}\nup: logs in {run_dir}/ (the previous start's in {run_dir}/previous/)")
+    say(f"{describe(groups, env)}\nup: logs in {shlex.quote(f'{run_dir}/')} (the previous start's in "
+        f"{shlex.quote(f'{run_dir}/previous/')})")
     if args.workers_only:
         return watch_workers(proc, run_dir, env)
     watch = StartWatch(run_dir, env, settings, groups, say, args.redis_wait_s)
@@ -379,7 +401,7 @@ def _supervise(args: argparse.Namespace, proc: subprocess.Popen[bytes], env: dic
         return 1
     port = env["VRAMGUARD_PORT"]
     say(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
-        f"Ctrl-C stops it (or, from another terminal: {cli_command()} down --run-dir {run_dir}).\n")
+        f"Ctrl-C stops it (or, from another terminal: {stop_command(run_dir)}).\n")
     return watch_running(proc, watch)
 
 
@@ -392,6 +414,12 @@ def cli_command() -> str:
     if on_path is not None and (not script.exists() or Path(on_path).resolve() == script.resolve()):
         return "vramguard"
     return shlex.quote(str(script)) if script.exists() else f"{shlex.quote(sys.executable)} -m vramguard.cli"
+
+
+def stop_command(run_dir: Path) -> str:
+    """The shell command that stops the stack of `run_dir` from another terminal, quoted to be
+    pasted as printed (a run folder's path may hold quotes, `$` or other characters a shell reads)."""
+    return f"{cli_command()} down --run-dir {shlex.quote(str(run_dir))}"
 
 
 def describe(groups: list[WorkerGroup], env: Mapping[str, str]) -> str:
