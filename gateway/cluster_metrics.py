@@ -53,7 +53,7 @@ class ClusterCollector(Collector):
         for model in self._models:
             live.add_metric([model], float(len(self._health.live_workers(model))))
         yield live
-        bound = GaugeMetricFamily(m.QUEUE_BOUND, "Entries queued or in flight at which admission answers 429.",
+        bound = GaugeMetricFamily(m.QUEUE_BOUND, "Requests queued or in flight at which admission answers 429.",
                                   labels=[m.MODEL])
         for model, value in self._queue_bounds.items():
             bound.add_metric([model], float(value))
@@ -64,6 +64,8 @@ class ClusterCollector(Collector):
         families = (
             (m.QUEUE_DEPTH, "Entries waiting for a worker (not yet delivered).", "waiting"),
             (m.PENDING_ENTRIES, "Entries delivered to a worker and not yet acked.", "pending"),
+            (m.QUEUED_REQUESTS, "Requests queued or in flight (an entry may carry several): what queue_bound "
+                                "bounds.", "requests"),
             (m.DEAD_LETTER_ENTRIES, "Entries in the dead-letter stream.", "dead_letters"),
         )
         for name, doc, attr in families:

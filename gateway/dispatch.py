@@ -30,7 +30,7 @@ from vramguard.shared.errors import (
 )
 from vramguard.shared.keys import Keys
 from vramguard.shared.models import ModelConfig
-from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
+from vramguard.shared.protocol import ENTRY_FIELD, REQUESTS_FIELD, ReplyMessage, RequestId, RequestMessage
 from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, reply_attributes
@@ -39,48 +39,71 @@ log = logging.getLogger(__name__)
 
 # Admission of every request one round trip carries for one model, in one script call, atomic,
 # on the model's hash slot only, and idempotent per call.
-# KEYS: request stream, the call's record (same slot: shared/keys.py). ARGV: queue_bound, entry
-# field, record TTL ms, queue_bound_bytes, then each packed request.
+# KEYS: request stream, queued-requests counter, the call's record (all one slot: shared/keys.py).
+# ARGV: queue_bound, entry field, record TTL ms, queue_bound_bytes, requests field, requests per
+# entry, then each packed request.
+# - The admitted requests share stream entries: up to ARGV[6] in one entry (field ARGV[5], a
+#   msgpack array; worker/packs.py splits it), so a call of 20 requests costs one XADD, not 20.
+#   A lone request keeps an entry of its own (field ARGV[2]).
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
 #   have run: the call's record (its answer, msgpack, kept RETRY_WINDOW_S + 1 s) makes the
 #   re-sent call return the first run's answer instead of enqueueing, and counting, its requests
 #   twice. One record per call, not per request: its GET and SET are paid once for the call's
 #   requests. A call that added nothing leaves no record (running it again adds nothing twice).
-# - Entries are XACK'd and XDEL'd together once answered, so XLEN = queued + in flight; at the
+# - The bound counts requests. XLEN counts entries, so the queued-requests counter does: raised here,
+#   lowered by the worker's MULTI that XACKs and XDELs an answered entry (worker/publish.py). An
+#   entry holds at least one request, so XLEN is a floor for it, and an empty stream means none:
+#   the counter heals from both whatever wrote entries past it (a test, a tool, lost data). At the
 #   bound nothing is added (never trim accepted entries to make room): {0, depth}, else {1, id}.
-# - The stream's bytes in Redis (MEMORY USAGE: the entries' listpacks, sampled) plus the entries
+# - The stream's bytes in Redis (MEMORY USAGE: the entries' listpacks, sampled) plus the requests
 #   this call adds must stay within queue_bound_bytes: {2, bytes held} past it.
 # - OOM and READONLY refuse the first write of a script, so they fail the whole call before it
 #   has written anything, and the caller retries or answers each request of it.
-# XLEN and MEMORY USAGE are read once per call and advanced by what the call adds, so a call of
-# 64 requests answers each as 64 calls in a row would (the bytes by the packed requests' length:
-# each entry's few bytes of stream overhead are counted at the next call). Returns one
+# XLEN, the counter and MEMORY USAGE are read once per call and advanced by what the call adds, so
+# a call of 64 requests answers each as 64 calls in a row would (the bytes by the packed requests'
+# length: the entries' few bytes of overhead are counted at the next call). Returns one
 # {status, value} per request, in ARGV order.
 ADMISSION = """
-local done = redis.call('GET', KEYS[2])
+local done = redis.call('GET', KEYS[3])
 if done then return cmsgpack.unpack(done) end
 local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
-local depth = redis.call('XLEN', KEYS[1])
+local pack_field, per_entry = ARGV[5], tonumber(ARGV[6])
+local length = redis.call('XLEN', KEYS[1])
+local depth = tonumber(redis.call('GET', KEYS[2]) or '0')
+if length == 0 then depth = 0 elseif depth < length then depth = length end
 local held = nil
-local added = false
-local out = {}
-for i = 5, #ARGV do
+local out, admitted, slots = {}, {}, {}
+for i = 7, #ARGV do
   local packed = ARGV[i]
   if depth >= bound then
-    out[i - 4] = {0, depth}
+    out[i - 6] = {0, depth}
   else
     if held == nil then held = redis.call('MEMORY', 'USAGE', KEYS[1]) or 0 end
     if held + string.len(packed) > bound_bytes then
-      out[i - 4] = {2, held}
+      out[i - 6] = {2, held}
     else
-      out[i - 4] = {1, redis.call('XADD', KEYS[1], '*', field, packed)}
+      admitted[#admitted + 1] = packed
+      slots[#slots + 1] = i - 6
       depth = depth + 1
       held = held + string.len(packed)
-      added = true
     end
   end
 end
-if added then redis.call('SET', KEYS[2], cmsgpack.pack(out), 'PX', ttl) end
+if #admitted == 0 then return out end
+local first = 1
+while first <= #admitted do
+  local last = math.min(first + per_entry - 1, #admitted)
+  local id
+  if first == last then
+    id = redis.call('XADD', KEYS[1], '*', field, admitted[first])
+  else
+    id = redis.call('XADD', KEYS[1], '*', pack_field, cmsgpack.pack({unpack(admitted, first, last)}))
+  end
+  for j = first, last do out[slots[j]] = {1, id} end
+  first = last + 1
+end
+redis.call('SET', KEYS[2], depth)
+redis.call('SET', KEYS[3], cmsgpack.pack(out), 'PX', ttl)
 return out
 """
 
@@ -293,8 +316,9 @@ class Dispatcher:
                 check.add_done_callback(self._reply_stream_checked)
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
             admitted = await self._scripts.call_grouped(
-                self._admission, [self._keys.request_stream(model)],
-                [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes],
+                self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model)],
+                [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes, REQUESTS_FIELD,
+                 self._requests_per_entry(model)],
                 [], [message.encode()], call_key=lambda: self._keys.admission(model, uuid.uuid4().hex))
             # The check was answered in the same round trip, ahead of the admission (run_scripts keeps
             # the calls' order, and an item's answer is set one callback after its call's).
@@ -306,13 +330,24 @@ class Dispatcher:
         if status == 0:
             retry_s = retry_after_s(int(cast(int, value)), self._throughput[model].rate_per_s())
             raise QueueFullError(
-                f"model {model!r} has {value} entries queued or in flight (bound {config.queue_bound})",
+                f"model {model!r} has {value} requests queued or in flight (bound {config.queue_bound})",
                 retry_after_s=retry_s,
             )
         if status == 2:
             raise QueueFullError(  # no entry count to rate: a second, as for a queue that drains at all
                 f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "
                 f"{config.queue_bound_bytes} (queue_bound_bytes)", retry_after_s=1)
+
+    def _requests_per_entry(self, model: str) -> int:
+        """How many of one call's requests may share a stream entry: the model's
+        `max_requests_per_entry`, by default a batch's worth (`max_batch_size`: one entry never
+        holds more one-input requests than one worker's batch takes); 1 for a generative model,
+        whose worker takes each request as a sequence of its own (worker/generate/server.py reads
+        one request per entry)."""
+        if self._settings.spec_for(model).options.get("generates"):
+            return 1
+        config = self.config_for(model)
+        return config.max_requests_per_entry or config.max_batch_size
 
     def _reply_stream_checked(self, check: asyncio.Future[object]) -> None:
         """The reply stream was missing (the check recreated it): Redis lost its data, and every

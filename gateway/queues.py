@@ -1,4 +1,4 @@
-"""Queue statistics read at scrape time: entries waiting, pending entries and dead
+"""Queue statistics read at scrape time: entries waiting, pending entries, requests queued and dead
 letters per model, for /metrics and the status page (read-only; one pipeline per call), and
 `ensure_groups`, which creates each served model's request stream and `workers` group at gateway
 start, so an autoscaler reading the group's lag finds it before the first worker exists."""
@@ -16,34 +16,43 @@ from vramguard.shared.keys import GROUP, Keys
 @dataclass(frozen=True, slots=True)
 class QueueStats:
     """One model's queue. Answered entries are deleted (XACK + XDEL, worker/publish.py), so the
-    request stream's XLEN is waiting + pending; `waiting` = XLEN - pending."""
+    request stream's XLEN is waiting + pending; `waiting` = XLEN - pending. `requests`: the
+    requests those entries carry (an entry may carry several), as admission counts them against
+    `queue_bound` (gateway/dispatch.py ADMISSION, whose rule it applies: XLEN is a floor, and an
+    empty stream holds none)."""
 
     waiting: int
     pending: int
     dead_letters: int
+    requests: int
 
 
 async def read_queue_stats(redis: aioredis.Redis, keys: Keys, models: list[str]) -> dict[str, QueueStats] | None:
-    """XLEN, the XPENDING summary and the dead-letter XLEN of each model, or None when Redis
-    does not answer (the caller reports redis_up 0 instead of stale numbers)."""
+    """XLEN, the XPENDING summary, the dead-letter XLEN and the queued-requests counter of each
+    model, or None when Redis does not answer (the caller reports redis_up 0 instead of stale
+    numbers)."""
     try:
         async with redis.pipeline(transaction=False) as pipe:
             for model in models:
                 pipe.xlen(keys.request_stream(model))
                 pipe.xpending(keys.request_stream(model), GROUP)
                 pipe.xlen(keys.dead_letter_stream(model))
+                pipe.get(keys.queued_requests(model))
             results = await pipe.execute(raise_on_error=False)
     except RedisError:
         return None
     out = {}
     for i, model in enumerate(models):
-        length, summary, dead = results[3 * i : 3 * i + 3]
+        length, summary, dead, counted = results[4 * i : 4 * i + 4]
         if isinstance(length, RedisError) and not isinstance(length, ResponseError):
             return None
         pending = summary.get("pending", 0) if isinstance(summary, dict) else 0  # NOGROUP before any worker
         length = length if isinstance(length, int) else 0
+        text = counted.decode() if isinstance(counted, bytes) else counted
+        requests = int(text) if isinstance(text, str) and text.lstrip("-").isdigit() else 0
         out[model] = QueueStats(waiting=max(0, length - pending), pending=pending,
-                                dead_letters=dead if isinstance(dead, int) else 0)
+                                dead_letters=dead if isinstance(dead, int) else 0,
+                                requests=max(requests, length) if length else 0)
     return out
 
 

@@ -3,6 +3,7 @@
     <prefix>:req:{<model>}        request stream, consumer group `workers`
     <prefix>:rep:{<gateway_id>}   reply stream of one gateway process
     <prefix>:dlq:{<model>}        dead-letter stream
+    <prefix>:queued:{<model>}     requests queued or in flight (an entry of the stream may carry several)
     <prefix>:hb:{<worker_id>}     heartbeat hash (with a TTL)
     <prefix>:alive:{<worker_id>}  the liveness probe's write test, when a heartbeat is stale (1 s TTL)
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
@@ -42,6 +43,11 @@ class Keys:
 
     def dead_letter_stream(self, model: str) -> str:
         return f"{self.prefix}:dlq:{{{model}}}"
+
+    def queued_requests(self, model: str) -> str:
+        """Requests queued or in flight for `model`: raised by the admission script
+        (gateway/dispatch.py), lowered with each XDEL of its request stream (worker/publish.py)."""
+        return f"{self.prefix}:queued:{{{model}}}"
 
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:hb:{{{worker_id}}}"

@@ -29,10 +29,11 @@ REQUEST_DURATION = PREFIX + "request_duration_seconds"
 REQUESTS_IN_FLIGHT = PREFIX + "requests_in_flight"
 QUEUE_DEPTH = PREFIX + "queue_depth"  # entries waiting for a worker (not yet delivered)
 PENDING_ENTRIES = PREFIX + "pending_entries"  # delivered to a worker, not acked
+QUEUED_REQUESTS = PREFIX + "queued_requests"  # requests queued + in flight, what queue_bound bounds
 DEAD_LETTER_ENTRIES = PREFIX + "dead_letter_entries"
 LIVE_WORKERS = PREFIX + "live_workers"
 REDIS_UP = PREFIX + "redis_up"
-QUEUE_BOUND = PREFIX + "queue_bound"  # entries queued + in flight at which admission answers 429
+QUEUE_BOUND = PREFIX + "queue_bound"  # requests queued + in flight at which admission answers 429
 # Redis' own memory settings and use (INFO memory), read at scrape time: an operator alerts on a
 # policy that may evict queued requests (anything but noeviction) and on memory near maxmemory.
 REDIS_MAXMEMORY_POLICY = PREFIX + "redis_maxmemory_policy"  # 1, the policy as a label

@@ -46,7 +46,7 @@ class ModelConfig(BaseModel):
     max_batch_size: items per forward (a request with 3 inputs counts 3).
     max_wait_ms: the batch window, measured from the first entry of a batch.
     default_timeout_ms: a request's deadline when the client names none.
-    queue_bound: queued + in-flight entries past which the gateway answers 429.
+    queue_bound: queued + in-flight requests past which the gateway answers 429.
     queue_bound_bytes: bytes the model's request stream may hold in Redis (its MEMORY USAGE), queued and
         in flight, past which the gateway answers 429: entries alone do not bound Redis' memory (160
         requests of 6.5 MB fill a 1 GB Redis). The models' bounds together must fit Redis' maxmemory.
@@ -58,6 +58,11 @@ class ModelConfig(BaseModel):
         forwards (cheapest first) where one forward's padded cost (items x costliest item) would
         pass `pad_factor` x its items' real cost (worker/costing.py). A large value (1000) splits
         only by max_batch_size and the memory budget.
+    max_requests_per_entry: requests one stream entry may carry when a gateway's admission call
+        holds several for the model (a pack: one XADD for them, worker/entries.py); None: a
+        batch's worth, `max_batch_size`; 1: an entry per request, so that the request stream's
+        length counts requests (KEDA's streamLength trigger reads it: deploy/k8s sets 1). A
+        generative model's requests always travel one per entry.
     params: model-specific parameters, validated by the model implementation.
     """
 
@@ -76,6 +81,7 @@ class ModelConfig(BaseModel):
     # a third (A/B at concurrency 64 on 2 CPU cores: 650-750 ms against 496-626 ms unsplit) for no
     # throughput. An outlier (a 256-token text among 20-token ones pads 10x) is still split off.
     pad_factor: float = Field(4.0, ge=1.0)
+    max_requests_per_entry: int | None = Field(None, ge=1, le=256)
     params: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -102,6 +108,7 @@ class ModelOverrides(BaseModel):
     max_inputs_per_request: int | None = None
     forward_timeout_s: float | None = None
     pad_factor: float | None = None
+    max_requests_per_entry: int | None = None
     params: dict[str, float] | None = None
 
 

@@ -1,6 +1,9 @@
 """Wire messages between gateway and workers: msgpack, never pickle.
 
-A request is one stream entry with a single field `m` holding a packed `RequestMessage`. A
+A request travels on its model's request stream: alone, as an entry with field `m` holding a
+packed `RequestMessage`, or with other requests admitted in the same gateway call, as an entry
+with field `ms` holding a msgpack array of packed requests (one XADD and one entry for the lot;
+the gateway's admission script writes it, worker/packs.py splits it). A
 reply travels on the gateway's reply stream: alone, as an entry with field `m` holding a packed
 `ReplyMessage`, or with the other replies of one batch to the same gateway, as an entry with
 field `ms` holding a packed list of them (one XADD and one entry per gateway per batch instead of
@@ -23,6 +26,11 @@ PROTOCOL_VERSION = 1
 ARRAY_EXT = 42
 ENTRY_FIELD = b"m"
 REPLIES_FIELD = b"ms"
+# On a request stream the same name holds several requests: "m" is one message, "ms" several.
+REQUESTS_FIELD = REPLIES_FIELD
+# An entry split from a pack whose worker died (worker/reclaim.py) carries the pack's deliveries so
+# far, so max_deliveries counts a request's deliveries, not its entry's.
+PRIOR_DELIVERIES_FIELD = b"d"
 
 RequestId = NewType("RequestId", str)
 EntryId = NewType("EntryId", str)
@@ -75,6 +83,26 @@ def unpack(data: bytes) -> object:
         raise
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise ProtocolError(f"malformed message: {exc}") from exc
+
+
+def pack_requests(packed: Sequence[bytes]) -> bytes:
+    """The value of a REQUESTS_FIELD entry: already packed requests as one msgpack array. The
+    gateway's admission script writes the same array with Lua's cmsgpack (as str, not bin: both
+    read back as bytes); this one is for tests and tools."""
+    return msgpack.packb(list(packed), use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def split_requests(data: bytes) -> list[bytes]:
+    """The packed requests a REQUESTS_FIELD value carries, in admission order, each still to be
+    decoded (`RequestMessage.decode`: one malformed request does not spoil the others). Raises
+    ProtocolError when the value is not a non-empty array of byte strings."""
+    try:
+        parts = msgpack.unpackb(data, raw=True)
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"malformed request list: {exc}") from exc
+    if not isinstance(parts, list) or not parts or not all(isinstance(p, bytes) for p in parts):
+        raise ProtocolError("not a list of packed requests")
+    return parts
 
 
 def _field(d: Mapping[str, object], name: str, kind: type | tuple[type, ...]) -> object:

@@ -16,36 +16,39 @@ from redis.exceptions import RedisError
 from vramguard.shared.errors import InternalError
 from vramguard.shared.keys import GROUP
 from vramguard.shared.protocol import ReplyMessage
-from vramguard.worker.batcher import Entry
+from vramguard.worker.entries import Entry, PackLedger, stream_id_of, stream_ids
 from vramguard.worker.publish import Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
 
 
 async def answer_internal_error(
-    redis: aioredis.Redis, *, stream: str, dead_letter_stream: str, worker_id: str, entries: Sequence[Entry],
-    exc: BaseException, reply_maxlen: int,
+    redis: aioredis.Redis, *, stream: str, dead_letter_stream: str, queued_requests: str, worker_id: str,
+    entries: Sequence[Entry], exc: BaseException, reply_maxlen: int, ledger: PackLedger,
 ) -> int:
     """Log `exc` with the request ids of `entries`, then reply 500 internal to those still pending
-    for `worker_id` (earlier cost groups of the batch may have been answered already) and ack them.
+    for `worker_id` (earlier cost groups of the batch may have been answered already) and ack them
+    (a pack's requests through `ledger`, the one that read it: a request of it answered already
+    is answered again, and the gateway drops the second reply).
     Returns how many were answered. Never raises: on a Redis error the entries stay pending."""
     request_ids = [e.message.request_id for e in entries if e.message is not None]
     log.error("batch task failed", exc_info=exc,
               extra={"worker_id": worker_id, "request_ids": request_ids, "error": repr(exc)})
     # Stream order, not string order: "1000-10" sorts before "1000-9" as text, and a range from
     # the textual min to the textual max would then be empty or miss entries.
-    ids = sorted((e.entry_id for e in entries), key=stream_order)
+    ids = sorted(stream_ids(e.entry_id for e in entries), key=stream_order)
     try:
         pending = await redis.xpending_range(stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 1000,
                                              consumername=worker_id)
         still = {_text(p["message_id"]) for p in pending}
-        mine = [e for e in entries if e.entry_id in still and e.message is not None]
+        mine = [e for e in entries if stream_id_of(e.entry_id) in still and e.message is not None]
         message = f"the worker failed while serving this request ({type(exc).__name__}); see its log"
         replies = [Outgoing(e.message.reply_to, ReplyMessage.failure(e.message.request_id, InternalError.code,
                                                                      message, worker_id=worker_id))
                    for e in mine if e.message is not None]
-        await publish_replies(redis, request_stream=stream, dead_letter_stream=dead_letter_stream, replies=replies,
-                              entry_ids=[e.entry_id for e in mine], reply_maxlen=reply_maxlen)
+        await publish_replies(redis, request_stream=stream, dead_letter_stream=dead_letter_stream,
+                              queued_requests=queued_requests, replies=replies, entry_ids=[e.entry_id for e in mine],
+                              reply_maxlen=reply_maxlen, ledger=ledger)
     except RedisError as err:
         log.error("could not answer a failed batch; its entries stay pending", extra={"error": str(err)})
         return 0

@@ -32,31 +32,17 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.clock import monotonic_ms
 from vramguard.shared.keys import GROUP
-from vramguard.shared.protocol import ENTRY_FIELD, EntryId, ProtocolError, RequestMessage
+from vramguard.shared.protocol import EntryId, RequestMessage
+from vramguard.worker.entries import Entry, PackLedger
 
-# A worker holds at most max(max_batch_size, MIN_HELD_ENTRIES) entries read but not finished.
+# A worker holds at most max(max_batch_size, MIN_HELD_ENTRIES) entries read but not finished (a
+# pack's requests count one each, worker/entries.py).
 # Reading ahead lets a small request overtake large ones already read, but every entry held is
 # pending for this worker alone (a large entry is not split across workers), so an unbounded
 # read-ahead would hoard the stream from idle workers. One batch can take at most
 # max_batch_size entries, so holding more only hoards; the floor keeps read-ahead useful at
 # tiny batch sizes (a few large requests in progress and a small one behind them).
 MIN_HELD_ENTRIES = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """One stream entry as read: a decoded request, or the reason it could not be decoded.
-    `delivery_count`: how often the consumer group has delivered it (above 1: reclaimed)."""
-
-    entry_id: EntryId
-    message: RequestMessage | None
-    fields: dict[bytes, bytes]
-    decode_error: str | None = None
-    delivery_count: int = 1
-
-    @property
-    def n_items(self) -> int:
-        return self.message.n_items if self.message is not None else 0
 
 
 @dataclass(slots=True, eq=False)
@@ -104,18 +90,6 @@ class Slice:
         return self.stop - self.start
 
 
-def decode_entry(entry_id: bytes, fields: dict[bytes, bytes]) -> Entry:
-    """Never raises: a malformed entry comes back with `decode_error` set (it goes to the dead letter)."""
-    eid = EntryId(entry_id.decode())
-    data = fields.get(ENTRY_FIELD)
-    if data is None:
-        return Entry(eid, None, fields, f"entry has no {ENTRY_FIELD.decode()!r} field")
-    try:
-        return Entry(eid, RequestMessage.decode(data), fields)
-    except ProtocolError as exc:
-        return Entry(eid, None, fields, str(exc))
-
-
 class Batcher:
     """Reads batches for one consumer of the `workers` group on one request stream.
 
@@ -137,6 +111,7 @@ class Batcher:
         block_ms: int,
         clock: Callable[[], float] = monotonic_ms,
         replay_history: bool = True,
+        ledger: PackLedger | None = None,
     ) -> None:
         self._redis = redis
         self._stream = stream
@@ -150,6 +125,12 @@ class Batcher:
         # None once our own pending entries are replayed. The Worker turns this off and lets
         # worker/reclaim.py re-deliver them one at a time (a poison among them kills only itself).
         self._history_id: bytes | None = b"0" if replay_history else None
+        # Packs read are split into their requests here; whoever acks settles them in this ledger.
+        self.ledger = ledger if ledger is not None else PackLedger()
+        # Requests per stream entry in the last read: a pack carries up to max_batch_size of them,
+        # so the next read asks for as many entries as the room left needs at that rate, not one
+        # entry per free slot (read-ahead would then hoard whole batches of requests).
+        self._per_entry = 1.0
 
     @property
     def max_held_entries(self) -> int:
@@ -194,9 +175,10 @@ class Batcher:
 
     async def _read_more(self, block_ms: int | None) -> bool:
         """Read what room is left (None: do not block); False when there was no room to read."""
-        count = min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
-        if count < 1:
+        room = min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
+        if room < 1:
             return False
+        count = max(1, int(room / self._per_entry))
         self._held.extend(Held(entry) for entry in await self._read(count, block_ms))
         return True
 
@@ -212,17 +194,26 @@ class Batcher:
 
     def _form(self) -> list[Slice]:
         """Whole entries first (oldest first, skipping those that no longer fit), then the next
-        slices of the large ones (oldest first) in the room left."""
+        slices of the large ones (oldest first) in the room left. A suspect (a request whose
+        worker died, split from its pack: worker/reclaim.py) is a batch of its own once it is the
+        oldest, as the reclaimer serves its suspects, so that if it kills this worker too it takes
+        no other request with it."""
+        if self._held and self._held[0].entry.delivery_count > 1:
+            suspect = self._held.popleft()
+            suspect.taken = suspect.entry.n_items
+            return [Slice(suspect, 0, suspect.entry.n_items)]
         room = self.max_batch_size
         reserve = self.max_batch_size // 2 if any(self._large(h) for h in self._held) else 0
         batch: list[Slice] = []
         for held in self._held:
             n = held.entry.n_items
+            if held.entry.delivery_count > 1:
+                continue
             if n == 0 or (not self._large(held) and n <= (room if not batch else room - reserve)):
                 batch.append(Slice(held, 0, n))
                 held.taken, room = n, room - n
         for held in self._held:
-            if room > 0 and self._large(held) and held.remaining > 0:
+            if room > 0 and self._large(held) and held.remaining > 0 and held.entry.delivery_count == 1:
                 n = min(room, held.remaining)
                 batch.append(Slice(held, held.taken, held.taken + n))
                 held.taken, room = held.taken + n, room - n
@@ -245,4 +236,8 @@ class Batcher:
         )
         streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
         # A pending entry deleted meanwhile comes back as (id, None/{}): nothing left to serve.
-        return [decode_entry(eid, fields) for _s, entries in streams or () for eid, fields in entries if fields]
+        read = [(eid, fields) for _s, entries in streams or () for eid, fields in entries if fields]
+        out = [entry for eid, fields in read for entry in self.ledger.read_entries(eid, fields)]
+        if read:
+            self._per_entry = len(out) / len(read)
+        return out

@@ -13,7 +13,9 @@ under the same name). It is a *suspect*: it may be the input that killed that wo
 claimed and served one at a time, alone, with no other batch in flight, so a poison input kills
 at most itself; innocent entries of its batch are not re-delivered with it. Past
 `max_deliveries` a suspect goes to the model's dead-letter stream, atomically with its ack and
-an error reply to its caller (publish.py). Never imports torch.
+an error reply to its caller (publish.py). A suspect that is a pack, several requests in one
+entry, is split into entries of one request each instead of being served (_SPLIT below).
+Never imports torch.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import logging
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -30,10 +32,10 @@ from redis.exceptions import RedisError
 from vramguard.shared.errors import ModelError
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.periodic import Periodic
-from vramguard.shared.protocol import EntryId, ReplyMessage
+from vramguard.shared.protocol import ENTRY_FIELD, PRIOR_DELIVERIES_FIELD, EntryId, ProtocolError, ReplyMessage
 from vramguard.shared.redis_client import RETRY_WINDOW_S
 from vramguard.shared.settings import Settings
-from vramguard.worker.batcher import Entry, decode_entry
+from vramguard.worker.entries import Entry, PackLedger, decode_entry, pack_parts
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
@@ -112,6 +114,24 @@ end
 return removed
 """
 
+# A pack (the requests of one gateway call in one entry, worker/entries.py) is never run again
+# whole: a worker died holding it, and any one of its requests may be why. Claimed, it is split
+# into entries of one request each, added at the stream's end, and acked and deleted, atomically
+# and only while this consumer still owns it (a re-sent split finds it gone and adds nothing
+# twice). They are then read and served as new entries are; one that kills its worker again is
+# a suspect of its own, served alone and dead-lettered past max_deliveries, its pack's other
+# requests no longer with it. The queued-requests counter is untouched: the requests are still queued.
+# KEYS: request stream. ARGV: group, consumer, pack id, entry field, prior deliveries field and
+# value, then each packed request.
+_SPLIT = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if #p == 0 or p[1][2] ~= ARGV[2] then return 0 end
+for i = 7, #ARGV do redis.call('XADD', KEYS[1], '*', ARGV[4], ARGV[i], ARGV[5], ARGV[6]) end
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[3])
+redis.call('XDEL', KEYS[1], ARGV[3])
+return #ARGV - 6
+"""
+
 CLEANUP_EVERY = 10  # scans between consumer clean-ups
 
 
@@ -150,15 +170,19 @@ class Reclaimer:
         self._refresh = redis.register_script(_REFRESH)
         self._clean = redis.register_script(_CLEAN_CONSUMERS)
         self._claim = redis.register_script(_CLAIM)
+        self._split = redis.register_script(_SPLIT)
         self._claim_record = Keys(settings.key_prefix).claim_record(settings.model, worker_id)
+        self._queued_requests = Keys(settings.key_prefix).queued_requests(settings.model)
         self._scanner = Periodic("reclaim", self.scan, settings.reclaim_interval_ms / 1000)
         self.claimed = 0
         self.dead_lettered = 0
+        self.packs_split = 0
         self.consumers_removed = 0
 
     def __repr__(self) -> str:
         return (f"<Reclaimer {self._worker_id} own={len(self._own)} claimed={self.claimed} "
-                f"dead_lettered={self.dead_lettered} consumers_removed={self.consumers_removed}>")
+                f"dead_lettered={self.dead_lettered} packs_split={self.packs_split} "
+                f"consumers_removed={self.consumers_removed}>")
 
     @property
     def has_work(self) -> bool:
@@ -249,31 +273,53 @@ class Reclaimer:
             await self._redis.xack(self._stream, GROUP, entry_id)
             return None
         self.claimed += 1
-        log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": int(count),
-                                           "worker_id": self._worker_id})
         fields = dict(zip(flat[::2], flat[1::2], strict=True))
-        entry = decode_entry(raw_id if isinstance(raw_id, bytes) else entry_id.encode(), fields)
-        return Suspect(replace(entry, delivery_count=int(count)), int(count))
+        entry = decode_entry(entry_id.encode(), fields, int(count))
+        try:
+            parts = pack_parts(fields)
+        except ProtocolError:  # served as the undecodable entry it is, which dead-letters it
+            parts = None
+        log.info("entry reclaimed", extra={"entry_id": entry_id, "delivery_count": entry.delivery_count,
+                                           "requests": len(parts) if parts else 1, "worker_id": self._worker_id})
+        if parts and not self.exhausted(entry.delivery_count):
+            await self._split_pack(entry, parts)
+            return None
+        return Suspect(entry, entry.delivery_count)
 
-    def exhausted(self, suspect: Suspect) -> bool:
-        """True when `suspect` has used up `max_deliveries` and must not run again."""
-        return suspect.delivery_count > self._settings.max_deliveries
+    async def _split_pack(self, pack: Entry, parts: list[bytes]) -> None:
+        """Split a claimed pack into entries of one request each (`parts`, packed), which carry
+        its deliveries so far (_SPLIT). Raises RedisError (the pack stays pending, claimed by us)."""
+        # The claim that found the pack counted a delivery that runs nothing: each part's first
+        # read stands in for it, so the parts carry the deliveries before it.
+        prior = pack.delivery_count - 1
+        added = await self._split(keys=[self._stream], args=[GROUP, self._worker_id, pack.entry_id, ENTRY_FIELD,
+                                                             PRIOR_DELIVERIES_FIELD, prior, *parts])
+        self.packs_split += 1
+        log.info("pack split for redelivery", extra={"entry_id": pack.entry_id, "requests": len(parts),
+                                                     "added": int(added), "worker_id": self._worker_id})
+
+    def exhausted(self, delivery_count: int) -> bool:
+        """True when a request delivered `delivery_count` times has used up `max_deliveries` and
+        must not run again."""
+        return delivery_count > self._settings.max_deliveries
 
     async def dead_letter(self, suspect: Suspect, reply_maxlen: int) -> None:
-        """Move `suspect` to the dead-letter stream, ack and delete it, and send its caller a
-        model_error reply, in one MULTI (publish.py). Raises RedisError (it then stays pending)."""
+        """Move `suspect` to the dead-letter stream, ack and delete it, and send its caller (each
+        caller of a pack's requests) a model_error reply, in one MULTI (publish.py). Raises
+        RedisError (it then stays pending)."""
         entry = suspect.entry
         deliveries = suspect.delivery_count - 1
         reason = (f"the request was delivered {deliveries} times and each time the worker running it died; "
                   f"moved to the dead-letter stream (max_deliveries={self._settings.max_deliveries})")
-        replies = []
-        if entry.message is not None:
-            reply = ReplyMessage.failure(entry.message.request_id, ModelError.code, reason, worker_id=self._worker_id)
-            replies.append(Outgoing(entry.message.reply_to, reply))
+        ledger = PackLedger()  # a pack's requests, so that each caller is answered and counted
+        requests = ledger.read_entries(entry.entry_id.encode(), entry.fields)
+        replies = [Outgoing(r.message.reply_to, ReplyMessage.failure(r.message.request_id, ModelError.code, reason,
+                                                                     worker_id=self._worker_id))
+                   for r in requests if r.message is not None]
         await publish_replies(
             self._redis, request_stream=self._stream, dead_letter_stream=self._dead_letter_stream,
-            replies=replies, entry_ids=[entry.entry_id],
-            dead_letters=[DeadLetter(entry.entry_id, entry.fields, reason)], reply_maxlen=reply_maxlen,
+            queued_requests=self._queued_requests, replies=replies, entry_ids=[r.entry_id for r in requests],
+            dead_letters=[DeadLetter(entry.entry_id, entry.fields, reason)], reply_maxlen=reply_maxlen, ledger=ledger,
         )
         self.dead_lettered += 1
         log.error("entry dead-lettered", extra={"entry_id": entry.entry_id, "delivery_count": suspect.delivery_count,

@@ -40,6 +40,7 @@ from vramguard.shared.tasks import TaskWatch
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher, Slice
+from vramguard.worker.entries import PackLedger, stream_ids
 from vramguard.worker.execute import CudaContextLost, run_batch
 from vramguard.worker.generate.loop import GenerationLoop
 from vramguard.worker.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
@@ -104,6 +105,7 @@ class Worker:
         # Entries of batches being served (kept fresh by reclaim), counted: with concurrent
         # batches two slices of one large entry may be in flight at once.
         self._held: Counter[EntryId] = Counter()
+        self.ledger = PackLedger()  # packs read by the batcher, acked by the batch server (worker/entries.py)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
         self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
@@ -188,7 +190,7 @@ class Worker:
         self._server = BatchServer(
             self.settings, self.backend, self.worker_id, stats=self.stats, metrics=self.metrics,
             watchdog=self.watchdog, budget=budget, on_context_lost=self._context_lost, threads=self.threads,
-            hang=self.hang,
+            hang=self.hang, ledger=self.ledger,
         )
         if self.settings.spec_for(self.settings.model).options.get("generates"):
             self.generation = await GenerationLoop.start(self, budget, redis)
@@ -285,7 +287,7 @@ class Worker:
         batcher = Batcher(
             blocking, self.stream, self.worker_id,
             max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
-            block_ms=self.settings.block_ms, replay_history=False,
+            block_ms=self.settings.block_ms, replay_history=False, ledger=self.ledger,
         )
         self._batcher = batcher
         # Concurrent forwards: the configured max_inflight_batches, or fewer when the memory plan
@@ -320,6 +322,14 @@ class Worker:
                     await self.watchdog.probe()
                 continue
             read += 1
+            if entries[0].entry.delivery_count > 1:  # a suspect (batcher.py): nothing else in flight with it
+                try:
+                    if self._inflight:
+                        await asyncio.wait(set(self._inflight))
+                    await self._serve_batch(redis, entries)
+                finally:
+                    slots.release()
+                continue
             task = asyncio.create_task(self._serve_batch(redis, entries))
             self._inflight.add(task)
             task.add_done_callback(lambda t: self._batch_done(t, slots))
@@ -342,10 +352,11 @@ class Worker:
                              f"with replies redis-py could not read; last: {exc!r}")
 
     def held_entries(self) -> list[EntryId]:
-        """Entries this worker holds: batches being served and the batcher's carry-over."""
+        """Stream entries this worker holds: batches being served and the batcher's carry-over
+        (a pack once, for all its requests held)."""
         carried = self._batcher.carried_ids if self._batcher is not None else []
         generating = self.generation.server.held_ids() if self.generation is not None else []
-        return [*self._held, *carried, *generating]
+        return stream_ids([*self._held, *carried, *generating])
 
     async def _serve_suspect(self, redis: aioredis.Redis, reclaimer: Reclaimer) -> None:
         """Serve one reclaimed entry alone, with no other batch in flight, so that if it is the
@@ -355,7 +366,7 @@ class Worker:
         suspect = await reclaimer.claim_one()
         if suspect is None:
             return
-        if reclaimer.exhausted(suspect):
+        if reclaimer.exhausted(suspect.delivery_count):
             await reclaimer.dead_letter(suspect, self.settings.reply_stream_maxlen)
             return
         await self._serve_batch(redis, [Slice.whole(suspect.entry)])
@@ -391,8 +402,9 @@ class Worker:
                 part.held.closed = True
             await answer_internal_error(
                 redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                worker_id=self.worker_id, entries=list({p.entry_id: p.entry for p in batch}.values()), exc=exc,
-                reply_maxlen=self.settings.reply_stream_maxlen)
+                queued_requests=self.keys.queued_requests(self.settings.model), worker_id=self.worker_id,
+                entries=list({p.entry_id: p.entry for p in batch}.values()), exc=exc,
+                reply_maxlen=self.settings.reply_stream_maxlen, ledger=self.ledger)
         finally:
             self._held.subtract(ids)
             self._held = +self._held  # drop the entries no batch holds any more

@@ -27,8 +27,9 @@ from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import shared_ms_to_ns, tracer
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.batcher import Entry, Held, Slice
+from vramguard.worker.batcher import Held, Slice
 from vramguard.worker.costing import group_by_cost
+from vramguard.worker.entries import Entry, PackLedger
 from vramguard.worker.execlog import ExecutionLog
 from vramguard.worker.execute import BatchStats, CudaContextLost, ItemResult, run_batch
 from vramguard.worker.hang import HangGuard
@@ -54,6 +55,7 @@ class BatchServer:
         self, settings: Settings, backend: ModelBackend, worker_id: str, *, stats: WorkerStats,
         metrics: WorkerMetrics, watchdog: Watchdog, budget: MemoryBudget | None,
         on_context_lost: Callable[[], None], threads: ModelThreads, hang: HangGuard | None = None,
+        ledger: PackLedger | None = None,
     ) -> None:
         self._settings = settings
         self._backend = backend
@@ -69,6 +71,8 @@ class BatchServer:
         self._threads = threads
         self._executions = ExecutionLog(settings)
         self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a hung forward
+        # The packs the batcher read (worker/entries.py): their requests are acked through it.
+        self.ledger = ledger if ledger is not None else PackLedger()
         # Set once any forward of this worker lost the device context: from then on no forward's
         # results are published, also those of concurrent batches that finished afterwards,
         # since they ran on a device that can no longer be trusted.
@@ -298,8 +302,9 @@ class BatchServer:
             await publish_replies(
                 redis, request_stream=self._stream,
                 dead_letter_stream=self._keys.dead_letter_stream(self._settings.model),
+                queued_requests=self._keys.queued_requests(self._settings.model),
                 replies=outgoing, entry_ids=entry_ids, dead_letters=dead,
-                reply_maxlen=self._settings.reply_stream_maxlen,
+                reply_maxlen=self._settings.reply_stream_maxlen, ledger=self.ledger,
             )
         except RedisError as exc:
             log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -20,7 +21,8 @@ from pathlib import Path
 import httpx
 import redis.asyncio as aioredis
 
-from vramguard.shared.keys import Keys
+from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import REQUESTS_FIELD, split_requests
 from vramguard.worker.execlog import read_executions
 
 POOL_CONNECTIONS = 5
@@ -188,6 +190,24 @@ def count_logged(log_dir: Path, message: str) -> int:
     """How many log lines of the stack's processes carry `message` (e.g. "entry reclaimed")."""
     needle = f'"message": "{message}"'
     return sum(path.read_text(errors="replace").count(needle) for path in log_dir.glob("*.log"))
+
+
+def count_reclaimed_requests(log_dir: Path) -> int:
+    """Requests in the entries the workers reclaimed: the `requests` of each "entry reclaimed" line
+    (a pack of several requests is one entry, split and run again whole)."""
+    needle = '"message": "entry reclaimed"'
+    return sum(int(json.loads(line).get("requests", 1)) for path in log_dir.glob("*.log")
+               for line in path.read_text(errors="replace").splitlines() if needle in line)
+
+
+async def held_requests(redis: aioredis.Redis, stream: str, consumer: str) -> int:
+    """Requests in the entries pending for `consumer`: a pack (worker/entries.py) counts each."""
+    held = await redis.xpending_range(stream, GROUP, "-", "+", 1000, consumername=consumer)
+    total = 0
+    for pending in held:
+        for _id, fields in await redis.xrange(stream, pending["message_id"], pending["message_id"]):
+            total += len(split_requests(fields[REQUESTS_FIELD])) if REQUESTS_FIELD in fields else 1
+    return total
 
 
 async def check_executions(redis: aioredis.Redis, key_prefix: str, tally: Tally, died: set[int]) -> int:

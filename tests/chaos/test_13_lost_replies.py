@@ -21,7 +21,7 @@ import time
 import pytest
 
 from tests.chaos.conftest import Supervisor
-from tests.chaos.load import Load, check_executions, count_logged
+from tests.chaos.load import Load, check_executions, count_reclaimed_requests, held_requests
 from tests.helpers import wait_until
 from tests.proxy import LossyProxy
 from vramguard.shared.keys import GROUP, Keys
@@ -49,9 +49,8 @@ async def test_lost_replies_run_nothing_twice(chaos_stack, chaos_redis, redis_se
             async def kill() -> None:  # once worker 0 holds a batch, so that there is something to claim
                 stream = Keys(chaos_stack.settings["key_prefix"]).request_stream("synthetic")
 
-                async def holds_a_batch() -> bool:  # of several entries: each is claimed on its own
-                    held = await chaos_redis.xpending_range(stream, GROUP, "-", "+", 8, consumername=workers.names[0])
-                    return len(held) >= 4
+                async def holds_a_batch() -> bool:  # of several requests: each is claimed (or split) on its own
+                    return await held_requests(chaos_redis, stream, workers.names[0]) >= 4
 
                 await wait_until(holds_a_batch, 30, interval_s=0.02)
                 workers.kill(workers.names[0], signal.SIGKILL)
@@ -61,14 +60,14 @@ async def test_lost_replies_run_nothing_twice(chaos_stack, chaos_redis, redis_se
         await workers.stop_watching()
         keys = Keys(chaos_stack.settings["key_prefix"])
         repeated = await check_executions(chaos_redis, keys.prefix, load.tally, workers.died)
-        reclaimed = count_logged(chaos_stack.log_dir, "entry reclaimed")
+        reclaimed = count_reclaimed_requests(chaos_stack.log_dir)
         load.tally.report(f"13 lost replies ({'delayed' if delay_s else 'cut'})", wall_s, replies_lost=proxy.lost,
                           ran_twice=repeated, reclaimed=reclaimed)
         load.tally.assert_each_answered_with_its_own()
         assert load.tally.ok == REQUESTS, load.tally.errors
         assert proxy.lost >= 10  # admissions, claims and refreshes all lost replies
         assert [code for _n, code in workers.exits] == [-9]
-        assert reclaimed >= max(4, repeated)  # the killed batch was claimed entry by entry (and ran again)
+        assert reclaimed >= max(4, repeated)  # the killed batch was claimed (packs split) and ran again
         assert await chaos_redis.xlen(keys.dead_letter_stream("synthetic")) == 0
         stream = keys.request_stream("synthetic")
 

@@ -1,7 +1,8 @@
 """Scenario 6: SIGTERM to a worker in the middle of a batch.
 
 1. One worker whose forwards take 3 s. A first request keeps it busy while 10 more queue up;
-   it then reads the 10 as one batch. When all 10 are pending for it, the test sends SIGTERM.
+   it then reads the 10 as one batch. When all their entries are pending for it, the test sends
+   SIGTERM.
 
 Result: the worker stops reading, finishes and publishes the batch, acks it, and exits 0 well
 within shutdown_grace_s; nothing was left to reclaim; all 11 requests get 200 and the request
@@ -41,11 +42,18 @@ async def test_sigterm_mid_batch_drains_and_exits_0(chaos_stack, chaos_redis) ->
         await wait_until(pending(1), 10)
         requests = asyncio.gather(first, *(load.request() for _ in range(10)))
 
+        queued = Keys(chaos_stack.settings["key_prefix"]).queued_requests("synthetic")
+
         async def all_queued() -> bool:
-            return await chaos_redis.xlen(stream) == 11
+            return int(await chaos_redis.get(queued) or 0) == 11
+
+        async def all_read() -> bool:  # the first answered, and every entry of the 10 delivered
+            length = await chaos_redis.xlen(stream)
+            return int(await chaos_redis.get(queued) or 0) == 10 and length > 0 and (
+                await chaos_redis.xpending(stream, GROUP))["pending"] == length
 
         await wait_until(all_queued, 2.7)  # before the first forward ends, so one read takes all 10
-        await wait_until(pending(10), 10)  # the 10 are one batch, running
+        await wait_until(all_read, 10)  # the 10 are one batch, running
         worker.send_signal(signal.SIGTERM)
         term_s = time.monotonic()
         await requests

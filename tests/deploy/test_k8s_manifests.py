@@ -20,7 +20,7 @@ from cloudcoil.models.keda.v1alpha1 import ScaledObject, TriggerAuthentication
 from tests.ci import require_part
 from tests.keda import figure_kind, stream_triggers
 from vramguard.shared.keys import GROUP, Keys
-from vramguard.shared.settings import Settings
+from vramguard.shared.settings import Settings, check_env_names
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 OVERLAYS = ["gpu", "cpu"]
@@ -78,6 +78,22 @@ def env_settings(docs: list[dict[str, Any]], container: dict[str, Any]) -> dict[
     return {k: v for k, v in values.items() if k.startswith("VRAMGUARD_")}
 
 
+def settings_of(values: dict[str, str]) -> Settings:
+    """The Settings a process builds from `values` as its environment: names checked, and the
+    per-model knobs (VRAMGUARD_MODELS__<MODEL>__<KNOB>) nested as env_nested_delimiter nests them."""
+    check_env_names(values)
+    flat: dict[str, object] = {}
+    models: dict[str, dict[str, str]] = {}
+    for key, value in values.items():
+        name = key.removeprefix("VRAMGUARD_").lower()
+        if name.startswith("models__"):
+            _models, model, knob = name.split("__", 2)
+            models.setdefault(model, {})[knob] = value
+        else:
+            flat[name] = value
+    return Settings(**flat, models=models)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_overlay_renders_and_passes_the_kubernetes_schema(overlay: str) -> None:
     docs = render(overlay)
@@ -111,8 +127,10 @@ def test_scaled_object_watches_the_stream_and_group_the_workers_use(overlay: str
     container = worker["spec"]["template"]["spec"]["containers"][0]
     # The worker's own Settings, built from what the manifests give it (a bad name fails here too).
     values = env_settings(docs, container)
-    settings = Settings(**{k.removeprefix("VRAMGUARD_").lower(): v for k, v in values.items()})  # type: ignore[arg-type]
+    settings = settings_of(values)
     stream = Keys(settings.key_prefix).request_stream(settings.model)
+    # The stream's length is the backlog KEDA reads: one request per entry, so it counts requests.
+    assert settings.model_config_for(settings.model).max_requests_per_entry == 1
     triggers = scaled["spec"]["triggers"]
     assert {t["type"] for t in triggers} == {"redis-streams"}
     for trigger in triggers:
@@ -175,7 +193,7 @@ def test_the_gateway_serves_through_a_rollout_and_its_settings_hold(overlay: str
     values = env_settings(docs, container)
     probe = container["readinessProbe"]
     assert float(values["VRAMGUARD_SHUTDOWN_DELAY_S"]) >= probe["periodSeconds"] * probe["failureThreshold"] + 5
-    settings = Settings(**{k.removeprefix("VRAMGUARD_").lower(): v for k, v in values.items()})  # type: ignore[arg-type]
+    settings = settings_of(values)
     assert settings.max_inflight_body_bytes <= 100 * 2**20  # the 1Gi arithmetic in gateway.yaml
     assert container["resources"]["limits"]["memory"] == "1Gi"
 

@@ -28,9 +28,10 @@ from tests.helpers import RedisServer, Stack, free_port, gateway_with, wait_unti
 from vramguard.gateway.coalesce import MAX_GROUP_BYTES, MAX_GROUP_ITEMS, ScriptBatcher, ScriptCall, run_scripts
 from vramguard.gateway.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
 from vramguard.shared.keys import Keys
-from vramguard.shared.protocol import ENTRY_FIELD
+from vramguard.shared.protocol import ENTRY_FIELD, REQUESTS_FIELD, split_requests
 
 STREAM = "grouped:req:{m}"
+QUEUED = "grouped:queued:{m}"
 BYTES_BOUND = 64 * 2**20
 
 
@@ -64,13 +65,13 @@ def record(call_id: str) -> str:
     return f"grouped:adm:{{m}}:{call_id}"
 
 
-ARGS: list[object] = [1000, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND]
+ARGS: list[object] = [1000, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND, REQUESTS_FIELD, 1]
 
 
 def admit(batcher: ScriptBatcher, script: object, packed: bytes, *, bound: int = 1000,
-          calls: list[str] | None = None) -> asyncio.Future[object]:
-    """One request's admission, queued as dispatch.py queues it; each call's record key is
-    appended to `calls`."""
+          calls: list[str] | None = None, per_entry: int = 1) -> asyncio.Future[object]:
+    """One request's admission, queued as dispatch.py queues it (`per_entry` requests at most
+    share a stream entry); each call's record key is appended to `calls`."""
 
     def call_key() -> str:
         key = record(uuid.uuid4().hex)
@@ -78,8 +79,8 @@ def admit(batcher: ScriptBatcher, script: object, packed: bytes, *, bound: int =
             calls.append(key)
         return key
 
-    return batcher.call_grouped(script, [STREAM], [bound, *ARGS[1:]], [], [packed],  # type: ignore[arg-type]
-                                call_key=call_key)
+    return batcher.call_grouped(script, [STREAM, QUEUED], [bound, *ARGS[1:5], per_entry],  # type: ignore[arg-type]
+                                [], [packed], call_key=call_key)
 
 
 async def calls_of(client: aioredis.Redis, command: str) -> int:
@@ -126,7 +127,7 @@ async def test_a_re_sent_call_admits_nothing_twice_and_a_flushed_script_is_reloa
     batcher = ScriptBatcher(client)
     first = await asyncio.gather(*(admit(batcher, script, b"x", calls=calls) for _ in range(5)))
     await client.script_flush()
-    (again,) = await run_scripts(client, [ScriptCall(script, [STREAM, calls[0]], [*ARGS, *[b"x"] * 5])])
+    (again,) = await run_scripts(client, [ScriptCall(script, [STREAM, QUEUED, calls[0]], [*ARGS, *[b"x"] * 5])])
     assert again == first and all(r[0] == 1 for r in first)  # type: ignore[index]
     assert await client.xlen(STREAM) == 5
     refused = await asyncio.gather(*(admit(batcher, script, b"x", bound=0, calls=calls) for _ in range(2)))
@@ -169,6 +170,44 @@ async def test_a_call_carries_at_most_its_bounds_of_items_and_bytes(client: aior
     assert await client.xlen(STREAM) == MAX_GROUP_ITEMS + 13
 
 
+async def test_a_calls_requests_share_entries_of_at_most_the_per_entry_limit(client: aioredis.Redis) -> None:
+    """1. One loop pass queues five admissions; at most two requests may share an entry.
+    Result: three entries, two packs of two (field `ms`, the requests in call order) and the
+    last request alone (field `m`); each request is answered its own entry's id; the
+    queued-requests counter holds 5."""
+    script = client.register_script(ADMISSION)
+    batcher = ScriptBatcher(client)
+    results = await asyncio.gather(*(admit(batcher, script, f"r{i}".encode(), per_entry=2) for i in range(5)))
+    entries = await client.xrange(STREAM)
+    assert [split_requests(f[REQUESTS_FIELD]) for _id, f in entries[:2]] == [[b"r0", b"r1"], [b"r2", b"r3"]]
+    assert entries[2][1] == {ENTRY_FIELD: b"r4"}
+    ids = [entry_id for entry_id, _f in entries]
+    assert [r[1] for r in results] == [ids[0], ids[0], ids[1], ids[1], ids[2]]  # type: ignore[index]
+    assert int(await client.get(QUEUED)) == 5
+
+
+async def test_the_bound_counts_requests_and_the_queued_requests_counter_heals(client: aioredis.Redis) -> None:
+    """1. Bound 5, eight requests may share an entry: one call of eight admissions.
+    2. The stream is deleted behind the counter's back (lost data): a call of one admission.
+    3. The counter reads -3 while two entries are queued (written past it): bound 4, a call of three.
+    Result: (1) five admitted in one entry, three answered {0, 5}: the bound counted requests;
+    (2) admitted, and the counter reads 1: an empty stream holds no request; (3) two admitted and
+    one refused at depth 4: the stream's two entries were the floor, and the counter reads 4."""
+    script = client.register_script(ADMISSION)
+    batcher = ScriptBatcher(client)
+    first = await asyncio.gather(*(admit(batcher, script, b"x", bound=5, per_entry=8) for _ in range(8)))
+    assert [r[0] for r in first] == [1] * 5 + [0] * 3 and first[5:] == [[0, 5]] * 3  # type: ignore[index]
+    assert await client.xlen(STREAM) == 1 and int(await client.get(QUEUED)) == 5
+    await client.delete(STREAM)
+    assert (await admit(batcher, script, b"y", bound=5, per_entry=8))[0] == 1  # type: ignore[index]
+    assert int(await client.get(QUEUED)) == 1
+    await client.set(QUEUED, -3)
+    await client.xadd(STREAM, {ENTRY_FIELD: b"old"})
+    third = await asyncio.gather(*(admit(batcher, script, b"z", bound=4, per_entry=8) for _ in range(3)))
+    assert [r[0] for r in third] == [1, 1, 0] and third[2] == [0, 4]  # type: ignore[index]
+    assert int(await client.get(QUEUED)) == 4
+
+
 async def test_the_queue_bound_answers_429_with_retry_after_inside_a_group(
         settings_factory, start_worker, redis_client: aioredis.Redis) -> None:  # type: ignore[no-untyped-def]
     """1. synthetic's queue_bound is 3. Its one worker starts, the in-process gateway sees it live,
@@ -192,7 +231,9 @@ async def test_the_queue_bound_answers_429_with_retry_after_inside_a_group(
         assert [r.status_code for r in refused] == [429] * 5, [r.text for r in refused]
         assert all(r.json()["error"]["code"] == "queue_full" for r in refused)
         assert all(1 <= int(r.headers["Retry-After"]) <= 60 for r in refused)
-        assert await redis_client.xlen(Keys(settings.key_prefix).request_stream("synthetic")) == 3
+        keys = Keys(settings.key_prefix)
+        assert int(await redis_client.get(keys.queued_requests("synthetic"))) == 3  # requests, not entries
+        assert 1 <= await redis_client.xlen(keys.request_stream("synthetic")) <= 3
         for request in requests:
             request.cancel()
         await asyncio.gather(*requests, return_exceptions=True)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import wait_until
 from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.protocol import REQUESTS_FIELD, pack_requests
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -188,7 +189,9 @@ async def test_queue_pending_and_in_flight_series_count_real_entries(
 ) -> None:
     """1. A slow request is being served: in flight 1 at the gateway.
     2. With no worker reading, 3 entries wait; a consumer takes 2 and does not ack them.
-    Result: queue depth 1 and pending entries 2, as Redis' consumer group says."""
+    3. A pack of 4 requests is added, as the admission script adds a call's requests.
+    Result: queue depth 1 and pending entries 2, as Redis' consumer group says; then 3 requests
+    queued or in flight, then 7 (the pack counts 4)."""
     handle = await start_worker(model="synthetic", models={"synthetic": {"params": {"batch_ms": 600}}})
 
     async def live() -> bool:
@@ -212,3 +215,9 @@ async def test_queue_pending_and_in_flight_series_count_real_entries(
     assert value(samples, "vramguard_queue_depth", model="synthetic") == 1
     assert value(samples, "vramguard_pending_entries", model="synthetic") == 2
     assert value(samples, "vramguard_requests_in_flight", model="synthetic") == 0
+    assert value(samples, "vramguard_queued_requests", model="synthetic") == 3  # the stream's entries: a floor
+    await redis_client.xadd(stream, {REQUESTS_FIELD: pack_requests([b"a", b"b", b"c", b"d"])})
+    await redis_client.set(Keys(key_prefix).queued_requests("synthetic"), 7)
+    samples, _ = await scrape(gateway)
+    assert value(samples, "vramguard_queued_requests", model="synthetic") == 7
+    assert value(samples, "vramguard_queue_depth", model="synthetic") == 2  # entries

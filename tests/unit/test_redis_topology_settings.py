@@ -19,8 +19,9 @@ def test_a_models_keys_share_one_slot_and_models_and_gateways_differ() -> None:
     keys = Keys("vg")
     for model in ("minilm", "synthetic"):
         # The dead-letter MULTI (request + dead-letter stream) and the worker index stay in one slot.
+        # So do the admission script's and the ack MULTI's queue depth counter.
         assert slot(keys.request_stream(model)) == slot(keys.dead_letter_stream(model)) == slot(
-            keys.worker_index(model)) == key_slot(model.encode())
+            keys.worker_index(model)) == slot(keys.queued_requests(model)) == key_slot(model.encode())
     assert slot(keys.request_stream("minilm")) != slot(keys.request_stream("synthetic"))
     assert slot(keys.reply_stream("gw1")) == key_slot(b"gw1")
     assert hash_tag(keys.heartbeat("host-1")) == "host-1"

@@ -92,7 +92,7 @@ class GenerationLoop:
         if reading and reclaimer is not None and reclaimer.has_work and server.room() > 0:
             suspect = await reclaimer.claim_one()
             if suspect is not None:
-                if reclaimer.exhausted(suspect):
+                if reclaimer.exhausted(suspect.delivery_count):
                     await reclaimer.dead_letter(suspect, self.worker.settings.reply_stream_maxlen)
                 else:
                     await server.take(redis, [suspect.entry])

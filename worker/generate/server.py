@@ -26,7 +26,7 @@ from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, I
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
-from vramguard.worker.batcher import Entry, decode_entry
+from vramguard.worker.entries import Entry, decode_entry
 from vramguard.worker.execute import is_oom
 from vramguard.worker.generate.engine import Emitted, Engine
 from vramguard.worker.generate.kvplan import KVPlan
@@ -367,7 +367,8 @@ class GenerationServer:
         """Send replies, ack + delete `entry_ids`, then delete the progress of the finished."""
         try:
             await publish_replies(redis, request_stream=self._stream,
-                                  dead_letter_stream=self._keys.dead_letter_stream(self._model), replies=replies,
+                                  dead_letter_stream=self._keys.dead_letter_stream(self._model),
+                                  queued_requests=self._keys.queued_requests(self._model), replies=replies,
                                   entry_ids=entry_ids, dead_letters=dead,
                                   reply_maxlen=self._settings.reply_stream_maxlen)
             finished = [self._keys.generation_progress(self._model, s.request_id) for s in progress_of
