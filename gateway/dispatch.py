@@ -340,14 +340,11 @@ class Dispatcher:
 
     def _requests_per_entry(self, model: str) -> int:
         """How many of one call's requests may share a stream entry: the model's
-        `max_requests_per_entry`, by default a batch's worth (`max_batch_size`: one entry never
-        holds more one-input requests than one worker's batch takes); 1 for a generative model,
-        whose worker takes each request as a sequence of its own (worker/generate/server.py reads
-        one request per entry)."""
+        `requests_per_entry` (shared/models.py); 1 for a generative model, whose worker takes each
+        request as a sequence of its own (worker/generate/server.py reads one request per entry)."""
         if self._settings.spec_for(model).options.get("generates"):
             return 1
-        config = self.config_for(model)
-        return config.max_requests_per_entry or config.max_batch_size
+        return self.config_for(model).requests_per_entry
 
     def _reply_stream_checked(self, check: asyncio.Future[object]) -> None:
         """The reply stream was missing (the check recreated it): Redis lost its data, and every

@@ -59,10 +59,10 @@ class ModelConfig(BaseModel):
         pass `pad_factor` x its items' real cost (worker/costing.py). A large value (1000) splits
         only by max_batch_size and the memory budget.
     max_requests_per_entry: requests one stream entry may carry when a gateway's admission call
-        holds several for the model (a pack: one XADD for them, worker/entries.py); None: a
-        batch's worth, `max_batch_size`; 1: an entry per request, so that the request stream's
-        length counts requests (KEDA's streamLength trigger reads it: deploy/k8s sets 1). A
-        generative model's requests always travel one per entry.
+        holds several for the model (a pack: one XADD for them, worker/entries.py), at most
+        `max_batch_size` (`requests_per_entry`); None: a batch's worth; 1: an entry per request,
+        so that the request stream's length counts requests (KEDA's streamLength trigger reads
+        it: deploy/k8s sets 1). A generative model's requests always travel one per entry.
     params: model-specific parameters, validated by the model implementation.
     """
 
@@ -83,6 +83,12 @@ class ModelConfig(BaseModel):
     pad_factor: float = Field(4.0, ge=1.0)
     max_requests_per_entry: int | None = Field(None, ge=1, le=256)
     params: dict[str, float] = Field(default_factory=dict)
+
+    @property
+    def requests_per_entry(self) -> int:
+        """Requests one stream entry may carry: `max_requests_per_entry`, at most a batch's worth,
+        so that one entry never holds more one-input requests than one worker's batch takes."""
+        return min(self.max_requests_per_entry or self.max_batch_size, self.max_batch_size)
 
     @model_validator(mode="after")
     def _window_inside_deadline(self) -> ModelConfig:

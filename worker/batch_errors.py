@@ -28,8 +28,8 @@ async def answer_internal_error(
 ) -> int:
     """Log `exc` with the request ids of `entries`, then reply 500 internal to those still pending
     for `worker_id` (earlier cost groups of the batch may have been answered already) and ack them
-    (a pack's requests through `ledger`, the one that read it: a request of it answered already
-    is answered again, and the gateway drops the second reply).
+    (a pack's requests through `ledger`, the one that read it, which also knows those of a pack
+    still pending that are answered already).
     Returns how many were answered. Never raises: on a Redis error the entries stay pending."""
     request_ids = [e.message.request_id for e in entries if e.message is not None]
     log.error("batch task failed", exc_info=exc,
@@ -41,7 +41,8 @@ async def answer_internal_error(
         pending = await redis.xpending_range(stream, GROUP, min=ids[0], max=ids[-1], count=len(ids) + 1000,
                                              consumername=worker_id)
         still = {_text(p["message_id"]) for p in pending}
-        mine = [e for e in entries if stream_id_of(e.entry_id) in still and e.message is not None]
+        mine = [e for e in entries if stream_id_of(e.entry_id) in still and ledger.is_open(e.entry_id)
+                and e.message is not None]
         message = f"the worker failed while serving this request ({type(exc).__name__}); see its log"
         replies = [Outgoing(e.message.reply_to, ReplyMessage.failure(e.message.request_id, InternalError.code,
                                                                      message, worker_id=worker_id))

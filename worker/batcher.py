@@ -23,6 +23,7 @@ reads the stream between forwards, without blocking, so that newly arrived reque
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import redis.asyncio as aioredis
 from vramguard.shared.clock import monotonic_ms
 from vramguard.shared.keys import GROUP
 from vramguard.shared.protocol import EntryId, RequestMessage
-from vramguard.worker.entries import Entry, PackLedger
+from vramguard.worker.entries import Entry, PackLedger, stream_id_of
 
 # A worker holds at most max(max_batch_size, MIN_HELD_ENTRIES) entries read but not finished (a
 # pack's requests count one each, worker/entries.py).
@@ -112,6 +113,7 @@ class Batcher:
         clock: Callable[[], float] = monotonic_ms,
         replay_history: bool = True,
         ledger: PackLedger | None = None,
+        requests_per_entry: int = 1,
     ) -> None:
         self._redis = redis
         self._stream = stream
@@ -127,10 +129,9 @@ class Batcher:
         self._history_id: bytes | None = b"0" if replay_history else None
         # Packs read are split into their requests here; whoever acks settles them in this ledger.
         self.ledger = ledger if ledger is not None else PackLedger()
-        # Requests per stream entry in the last read: a pack carries up to max_batch_size of them,
-        # so the next read asks for as many entries as the room left needs at that rate, not one
-        # entry per free slot (read-ahead would then hoard whole batches of requests).
+        # Requests per stream entry: in the last read, and at most (ModelConfig.requests_per_entry).
         self._per_entry = 1.0
+        self.requests_per_entry = requests_per_entry
 
     @property
     def max_held_entries(self) -> int:
@@ -178,7 +179,10 @@ class Batcher:
         room = min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
         if room < 1:
             return False
-        count = max(1, int(room / self._per_entry))
+        # As many entries as the room takes at the last read's requests per entry (packs carry
+        # several), but never more than packs of the most requests could fill twice over: a read
+        # of singles followed by one of packs must not hoard batches of requests from idle workers.
+        count = max(1, min(math.ceil(room / self._per_entry), math.ceil(2 * room / self.requests_per_entry)))
         self._held.extend(Held(entry) for entry in await self._read(count, block_ms))
         return True
 
@@ -224,7 +228,7 @@ class Batcher:
         if self._history_id is not None:
             history = await self._xreadgroup(self._history_id, count, block_ms=None)
             if history:
-                self._history_id = history[-1].entry_id.encode()
+                self._history_id = stream_id_of(history[-1].entry_id).encode()
                 return history
             self._history_id = None
         return await self._xreadgroup(b">", count, block_ms)

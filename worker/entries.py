@@ -122,18 +122,16 @@ class PackLedger:
         # Each part as the entry of its own it would be (the fields a dead letter of it keeps).
         return [decode_entry(part_id(stream_id, i).encode(), {ENTRY_FIELD: data}) for i, data in enumerate(parts)]
 
-    def settle(self, entry_ids: Iterable[EntryId]) -> tuple[list[EntryId], int]:
-        """Mark `entry_ids` answered. Returns the stream ids now done (plain entries, and packs
-        whose last request is among them) and how many requests they carried, for the XACK +
-        XDEL and the queued-requests counter (worker/publish.py). A part already settled, or of a pack
-        this ledger does not know (answered before a restart), settles nothing."""
-        done: list[EntryId] = []
-        requests = 0
+    def settle(self, entry_ids: Iterable[EntryId]) -> list[tuple[EntryId, int]]:
+        """Mark `entry_ids` answered. Returns the stream entries now done (plain entries, and
+        packs whose last request is among them), each with the requests it carried, for the XACK
+        + XDEL and the queued-requests counter (worker/publish.py). A part already settled, or of
+        a pack this ledger does not know (answered before a restart), settles nothing."""
+        done: list[tuple[EntryId, int]] = []
         for entry_id in dict.fromkeys(entry_ids):
             stream_id, sep, index = entry_id.partition(PART_SEP)
             if not sep:
-                done.append(entry_id)
-                requests += 1
+                done.append((entry_id, 1))
                 continue
             pack = self._open.get(EntryId(stream_id))
             if pack is None or int(index) not in pack[1]:
@@ -141,7 +139,15 @@ class PackLedger:
             pack[1].discard(int(index))
             if not pack[1]:
                 del self._open[EntryId(stream_id)]
-                done.append(EntryId(stream_id))
-                requests += pack[0]
-        return done, requests
+                done.append((EntryId(stream_id), pack[0]))
+        return done
+
+    def is_open(self, entry_id: EntryId) -> bool:
+        """Whether `entry_id` still awaits its answer: a plain entry always (this ledger does not
+        track them), a part until it is settled."""
+        stream_id, sep, index = entry_id.partition(PART_SEP)
+        if not sep:
+            return True
+        pack = self._open.get(EntryId(stream_id))
+        return pack is not None and int(index) in pack[1]
 

@@ -1,11 +1,11 @@
 """Hop 4: `publish_replies` sends every reply of a batch, then acks its entries and deletes them
 from the request stream (with any dead letters, and lowering the model's queued-requests counter by
-the requests they carried) in one MULTI/EXEC, the whole shielded from cancellation so a shutdown
+the requests they carried) in one script (ACK), the whole shielded from cancellation so a shutdown
 never leaves a batch half answered. A pack (several requests in one entry, worker/entries.py) is
 acked with its last request: until then its answered requests only count down in the ledger.
 
 Two steps because under Redis Cluster the reply streams (each gateway's hash slot) and the
-request stream (the model's slot) cannot share a MULTI (shared/keys.py). Replies go first: if the
+request stream (the model's slot) cannot share a script (shared/keys.py). Replies go first: if the
 worker dies between the steps its entries stay pending and are reclaimed, and the gateway drops
 the duplicate reply (delivery is at least once, as for any redelivery).
 
@@ -20,8 +20,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
 
+import msgpack
 import redis.asyncio as aioredis
 from redis.typing import EncodableT, FieldT
 
@@ -63,6 +63,30 @@ def reply_entries(replies: Sequence[Outgoing]) -> dict[str, dict[FieldT, Encodab
     }
 
 
+# The acknowledgement of answered entries, on the model's slot (one script: KEYS request stream,
+# dead-letter stream, queued-requests counter). ARGV: group, dead-letter maxlen, the number of dead
+# letters, each dead letter's fields (a msgpack array: field, value, ...), then (entry id, requests)
+# per entry. XADD the dead letters, XACK the entries, then XDEL each one and lower the counter by
+# the requests of those XDEL really deleted: the counter is the one figure here that is not safe to
+# change twice, and it would be, by a call redis-py re-sends after a lost reply, or by a worker
+# answering a pack that another worker reclaimed and split meanwhile (worker/reclaim.py).
+ACK = """
+local dead = tonumber(ARGV[3])
+for i = 4, 3 + dead do
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(cmsgpack.unpack(ARGV[i])))
+end
+local ids = {}
+for i = 4 + dead, #ARGV, 2 do ids[#ids + 1] = ARGV[i] end
+if #ids > 0 then redis.call('XACK', KEYS[1], ARGV[1], unpack(ids)) end
+local gone = 0
+for i = 4 + dead, #ARGV, 2 do
+  if redis.call('XDEL', KEYS[1], ARGV[i]) == 1 then gone = gone + tonumber(ARGV[i + 1]) end
+end
+if gone > 0 then redis.call('DECRBY', KEYS[3], gone) end
+return gone
+"""
+
+
 async def publish_replies(
     redis: aioredis.Redis,
     *,
@@ -77,11 +101,11 @@ async def publish_replies(
 ) -> None:
     """XADD the replies (one entry per gateway: `reply_entries`), then XADD the dead letters
     and XACK + XDEL the stream entries `entry_ids` (which must include the dead letters' ids)
-    complete, with a DECRBY of `queued_requests` by their requests, atomically. Part ids of packs
-    settle in `ledger`, the one that read them, once the replies are out (a reply that never
-    left must not count its request answered). Raises RedisError; nothing is acked then, so the
-    entries stay pending and are reclaimed (a reply already sent is then sent again, and
-    dropped). Raises ValueError for part ids without a ledger (they would never be acked)."""
+    complete, lowering `queued_requests` by the requests of those deleted, atomically (ACK).
+    Part ids of packs settle in `ledger`, the one that read them, once the replies are out (a
+    reply that never left must not count its request answered). Raises RedisError; nothing is
+    acked then, so the entries stay pending and are reclaimed (a reply already sent is then sent
+    again, and dropped). Raises ValueError for part ids without a ledger (they would never be acked)."""
     if ledger is None and any(PART_SEP in entry_id for entry_id in entry_ids):
         raise ValueError(f"part ids {list(entry_ids)} can only be settled by the ledger that read their pack")
     settle = ledger.settle if ledger is not None else _settle_plain
@@ -92,29 +116,26 @@ async def publish_replies(
                 for reply_to, fields in reply_entries(replies).items():
                     pipe.xadd(reply_to, fields, maxlen=reply_maxlen, approximate=True, nomkstream=True)
                 await pipe.execute()
-        done, requests = settle(entry_ids)
+        done = settle(entry_ids)
         if not done and not dead_letters:
             return
-        async with redis.pipeline(transaction=True) as pipe:  # all on the model's slot
-            for dead in dead_letters:
-                fields = cast(dict[FieldT, EncodableT], dead.fields)
-                pipe.xadd(
-                    dead_letter_stream,
-                    {**fields, b"entry_id": dead.entry_id.encode(), b"reason": dead.reason.encode()},
-                    maxlen=DEAD_LETTER_MAXLEN,
-                    approximate=True,
-                )
-            if done:
-                pipe.xack(request_stream, GROUP, *done)
-                pipe.xdel(request_stream, *done)
-                pipe.decrby(queued_requests, requests)
-            await pipe.execute()
+        letters = [_dead_letter_fields(dead) for dead in dead_letters]
+        args: list[EncodableT] = [GROUP, DEAD_LETTER_MAXLEN, len(letters), *letters]
+        for entry_id, requests in done:
+            args += [entry_id, requests]
+        await redis.register_script(ACK)(keys=[request_stream, dead_letter_stream, queued_requests], args=args)
 
     await asyncio.shield(_send())
 
 
-def _settle_plain(entry_ids: Iterable[EntryId]) -> tuple[list[EntryId], int]:
+def _dead_letter_fields(dead: DeadLetter) -> bytes:
+    """A dead letter's stream fields as ACK takes them: the entry's own fields, its id and the
+    reason, flat, as one msgpack array (str types: what Lua's cmsgpack has always read)."""
+    fields = {**dead.fields, b"entry_id": dead.entry_id.encode(), b"reason": dead.reason.encode()}
+    return msgpack.packb([part for pair in fields.items() for part in pair], use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def _settle_plain(entry_ids: Iterable[EntryId]) -> list[tuple[EntryId, int]]:
     """PackLedger.settle for callers that hold no packs (reclaimed suspects, generation): each
     entry one request."""
-    ids = list(dict.fromkeys(entry_ids))
-    return ids, len(ids)
+    return [(entry_id, 1) for entry_id in dict.fromkeys(entry_ids)]

@@ -20,7 +20,8 @@ import os
 import signal
 import socket
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict
 from enum import IntEnum
 from typing import Any
@@ -288,6 +289,7 @@ class Worker:
             blocking, self.stream, self.worker_id,
             max_batch_size=self.config.max_batch_size, max_wait_ms=self.config.max_wait_ms,
             block_ms=self.settings.block_ms, replay_history=False, ledger=self.ledger,
+            requests_per_entry=self.config.requests_per_entry,
         )
         self._batcher = batcher
         # Concurrent forwards: the configured max_inflight_batches, or fewer when the memory plan
@@ -324,9 +326,10 @@ class Worker:
             read += 1
             if entries[0].entry.delivery_count > 1:  # a suspect (batcher.py): nothing else in flight with it
                 try:
-                    if self._inflight:
-                        await asyncio.wait(set(self._inflight))
-                    await self._serve_batch(redis, entries)
+                    with self._holding(entries):  # kept fresh while the batches in flight end
+                        if self._inflight:
+                            await asyncio.wait(set(self._inflight))
+                        await self._serve_batch(redis, entries)
                 finally:
                     slots.release()
                 continue
@@ -372,9 +375,13 @@ class Worker:
         await self._serve_batch(redis, [Slice.whole(suspect.entry)])
 
     async def _drain(self, redis: aioredis.Redis) -> ExitCode:
+        carried = self._batcher.drain_carry() if self._batcher is not None else []
+        with self._holding(carried):  # kept fresh while they wait for the batches in flight
+            return await self._drain_carried(redis, carried)
+
+    async def _drain_carried(self, redis: aioredis.Redis, carried: list[Slice]) -> ExitCode:
         loop = asyncio.get_running_loop()
         until = loop.time() + self.settings.shutdown_grace_s
-        carried = self._batcher.drain_carry() if self._batcher is not None else []
         if carried and self._inflight:  # one batch at a time, as while serving (memory budget)
             await asyncio.wait(set(self._inflight), timeout=self.settings.shutdown_grace_s)
         if carried and not self._inflight and not self.force_exit:  # entries read but not yet served
@@ -389,25 +396,33 @@ class Worker:
             return ExitCode.FORCED
         return ExitCode.OK
 
-    async def _serve_batch(self, redis: aioredis.Redis, batch: list[Slice]) -> None:
-        """Serve one batch while its entries count as held (their idle time kept fresh by reclaim)."""
-        assert self._server is not None
+    @contextmanager
+    def _holding(self, batch: list[Slice]) -> Iterator[None]:
+        """Count `batch`'s entries as held while the block runs: reclaim keeps their idle time
+        fresh (held_entries), so no other worker takes them meanwhile."""
         ids = [part.entry_id for part in batch]
         self._held.update(ids)
         try:
-            await self._server.serve(redis, batch)
-        except Exception as exc:  # noqa: BLE001 - a bug in our own code: answer now, never lose it
-            self.batch_task_failures += 1
-            for part in batch:  # answered below: later slices of a large entry are dropped
-                part.held.closed = True
-            await answer_internal_error(
-                redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
-                queued_requests=self.keys.queued_requests(self.settings.model), worker_id=self.worker_id,
-                entries=list({p.entry_id: p.entry for p in batch}.values()), exc=exc,
-                reply_maxlen=self.settings.reply_stream_maxlen, ledger=self.ledger)
+            yield
         finally:
             self._held.subtract(ids)
             self._held = +self._held  # drop the entries no batch holds any more
+
+    async def _serve_batch(self, redis: aioredis.Redis, batch: list[Slice]) -> None:
+        """Serve one batch while its entries count as held (their idle time kept fresh by reclaim)."""
+        assert self._server is not None
+        with self._holding(batch):
+            try:
+                await self._server.serve(redis, batch)
+            except Exception as exc:  # noqa: BLE001 - a bug in our own code: answer now, never lose it
+                self.batch_task_failures += 1
+                for part in batch:  # answered below: later slices of a large entry are dropped
+                    part.held.closed = True
+                await answer_internal_error(
+                    redis, stream=self.stream, dead_letter_stream=self.keys.dead_letter_stream(self.settings.model),
+                    queued_requests=self.keys.queued_requests(self.settings.model), worker_id=self.worker_id,
+                    entries=list({p.entry_id: p.entry for p in batch}.values()), exc=exc,
+                    reply_maxlen=self.settings.reply_stream_maxlen, ledger=self.ledger)
 
     def _context_lost(self) -> None:
         """A forward lost the device context: stop at once and exit CUDA_CONTEXT_LOST, un-acked."""

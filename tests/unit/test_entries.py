@@ -50,11 +50,12 @@ def test_a_pack_is_read_as_one_entry_per_request_and_a_plain_entry_as_itself() -
 def test_a_pack_is_acked_with_its_last_request_and_counts_all_of_them() -> None:
     ledger = PackLedger()
     ledger.read_entries(b"7-1", {REQUESTS_FIELD: pack_requests([request("a"), request("b"), request("c")])})
-    assert ledger.settle([EntryId("7-1#1")]) == ([], 0)
-    assert ledger.settle([EntryId("7-1#1"), EntryId("7-1#0")]) == ([], 0)  # a part settled twice counts once
-    assert ledger.settle([EntryId("7-1#2"), EntryId("8-0")]) == (["7-1", "8-0"], 4)
-    assert len(ledger) == 0
-    assert ledger.settle([EntryId("7-1#2")]) == ([], 0)  # already acked: nothing twice
+    assert ledger.settle([EntryId("7-1#1")]) == []
+    assert ledger.settle([EntryId("7-1#1"), EntryId("7-1#0")]) == []  # a part settled twice counts once
+    assert not ledger.is_open(EntryId("7-1#0")) and ledger.is_open(EntryId("7-1#2"))
+    assert ledger.settle([EntryId("7-1#2"), EntryId("8-0")]) == [("7-1", 3), ("8-0", 1)]
+    assert len(ledger) == 0 and not ledger.is_open(EntryId("7-1#2"))
+    assert ledger.settle([EntryId("7-1#2")]) == []  # already acked: nothing twice
 
 
 def test_split_requests_carry_their_packs_deliveries() -> None:
