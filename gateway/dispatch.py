@@ -118,6 +118,12 @@ redis.call('EXPIRE', KEYS[1], ARGV[3])
 return 1
 """
 ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
+# ENSURE_REPLY_STREAM goes with at most one admission round trip in this many ms, not with every
+# one: at concurrency 64 it was two of the ~15 commands per round trip (0.13 per request). Redis
+# losing its data is rare, and requests admitted in the window after it (their replies dropped by
+# NOMKSTREAM) are failed as lost by the next check or the reply stream's keepalive, with those
+# enqueued before it.
+REPLY_CHECK_INTERVAL_MS = 100
 
 
 class Dispatcher:
@@ -141,7 +147,8 @@ class Dispatcher:
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
-        self._check_watched: asyncio.Future[object] | None = None  # the reply-stream check last given a callback
+        self._check_watched: asyncio.Future[object] | None = None  # the reply-stream check last queued
+        self._checked_ms = -float(REPLY_CHECK_INTERVAL_MS)  # when it was queued (monotonic ms)
         self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
@@ -298,31 +305,24 @@ class Dispatcher:
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
         """Check the bound and XADD in one step (ADMISSION, one call for one round trip's admissions
-        to the model), after ENSURE_REPLY_STREAM has checked the reply stream: both in the one
-        round trip these admissions share (gateway/coalesce.py; two slots under Cluster).
+        to the model), after ENSURE_REPLY_STREAM has checked the reply stream when a check is due
+        (`_reply_check`): both in the one round trip these admissions share (gateway/coalesce.py;
+        two slots under Cluster).
         Awaited by the request's own task: cancelling it (deadline, disconnect) cancels only this
         request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/backpressure.py), or RedisError."""
         config = self.config_for(model)
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
-            # The reply-stream check is queued first, so it is answered first: in the data-loss case
-            # the stream exists again before a worker can have read, run and answered the new entry.
-            # Idempotent: the admissions of one round trip share one check (they share the stream).
-            check = self._scripts.call(self._ensure_reply, [self._listener.stream],
-                                       [INIT_FIELD, self._settings.reply_stream_maxlen,
-                                        self._settings.reply_stream_ttl_s], idempotent=True)
-            if check is not self._check_watched:  # once per check, not once per caller sharing it
-                self._check_watched = check
-                check.add_done_callback(self._reply_stream_checked)
+            check = self._reply_check()
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
             admitted = await self._scripts.call_grouped(
                 self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model)],
                 [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes, REQUESTS_FIELD,
                  self._requests_per_entry(model)],
                 [], [message.encode()], call_key=lambda: self._keys.admission(model, uuid.uuid4().hex))
-            # The check was answered in the same round trip, ahead of the admission (run_scripts keeps
-            # the calls' order, and an item's answer is set one callback after its call's).
-            checked = check.result() if check.done() else await asyncio.shield(check)
+            # A check queued with this admission was answered in the same round trip, ahead of it
+            # (run_scripts keeps the calls' order, and an item's answer is set one callback after its call's).
+            checked = None if check is None else check.result() if check.done() else await asyncio.shield(check)
         for result in (checked, admitted):
             if isinstance(result, BaseException):  # a script's error (run_scripts answers it as a value)
                 raise result
@@ -337,6 +337,24 @@ class Dispatcher:
             raise QueueFullError(  # no entry count to rate: a second, as for a queue that drains at all
                 f"model {model!r}'s queue holds {value} bytes in Redis; this request would pass its bound of "
                 f"{config.queue_bound_bytes} (queue_bound_bytes)", retry_after_s=1)
+
+    def _reply_check(self) -> asyncio.Future[object] | None:
+        """The ENSURE_REPLY_STREAM check for an admission about to be queued: the one queued or in
+        flight, shared; a new one, queued first so that it is answered first (in the data-loss case
+        the stream exists again before a worker can have read, run and answered the new entry),
+        once REPLY_CHECK_INTERVAL_MS have passed since the last; else None."""
+        check = self._check_watched
+        if check is not None and not check.done():
+            return check
+        now = monotonic_ms()
+        if now - self._checked_ms < REPLY_CHECK_INTERVAL_MS:
+            return None
+        self._checked_ms = now
+        check = self._check_watched = self._scripts.call(
+            self._ensure_reply, [self._listener.stream],
+            [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s])
+        check.add_done_callback(self._reply_stream_checked)
+        return check
 
     def _requests_per_entry(self, model: str) -> int:
         """How many of one call's requests may share a stream entry: the model's
