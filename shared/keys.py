@@ -9,6 +9,7 @@
     <prefix>:workers:{<model>}    sorted set worker_id -> last heartbeat (epoch ms, shared clock)
     <prefix>:adm:{<model>}:<call_id>      admission record: one admission call's answer, for a re-sent call (short TTL)
     <prefix>:claim:{<model>}:<worker_id>  a worker's last claim, for a re-sent claim (short TTL)
+    <prefix>:runs:{<model>}:<entry_id>    how often a request split from a pack ran alone (hash; expires)
     <prefix>:placement            a `vramguard up` stack's placed worker processes and their last exits (hash)
     <prefix>:startfail:{<model>}  hash worker_id -> why its last start failed (JSON; expires)
     <prefix>:gen:{<model>}:<request_id>     a generating sequence's progress (hash: its tokens so far, last chunk)
@@ -65,6 +66,11 @@ class Keys:
 
     def claim_record(self, model: str, worker_id: str) -> str:
         return f"{self.prefix}:claim:{{{model}}}:{worker_id}"
+
+    def suspect_runs(self, model: str, entry_id: str) -> str:
+        """How often the request of `entry_id`, split from a pack whose worker died, has started
+        to run alone (worker/reclaim.py RUN_ALONE); on the model's slot."""
+        return f"{self.prefix}:runs:{{{model}}}:{entry_id}"
 
     def placement(self) -> str:
         """worker_id -> JSON {model, program, device, exit?, reason?, exited_ms?}, written by the launcher

@@ -35,7 +35,7 @@ from vramguard.shared.periodic import Periodic
 from vramguard.shared.protocol import ENTRY_FIELD, PRIOR_DELIVERIES_FIELD, EntryId, ProtocolError, ReplyMessage
 from vramguard.shared.redis_client import RETRY_WINDOW_S
 from vramguard.shared.settings import Settings
-from vramguard.worker.entries import Entry, PackLedger, decode_entry, pack_parts
+from vramguard.worker.entries import Entry, PackLedger, decode_entry, pack_parts, prior_deliveries
 from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,24 @@ redis.call('XDEL', KEYS[1], ARGV[3])
 return #ARGV - 6
 """
 
+# A request split from a pack counts its deliveries as the runs that could have killed a worker:
+# the pack's (its prior deliveries) and each time it started to run alone, recorded here before
+# it starts. Its entry's own delivery count would also count the times a worker died holding it
+# read but not running (a sibling of the pack killed it): with max_deliveries 2, an innocent
+# sibling would reach the dead letter. KEYS: its run count (a hash). ARGV: a token fresh per call
+# (a re-sent call answers its first run), prior deliveries, max_deliveries, TTL ms. Returns the
+# number of this run, or 0 when one more run would pass max_deliveries (nothing recorded).
+RUN_ALONE = """
+local n = tonumber(redis.call('HGET', KEYS[1], 'n') or '0')
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then return n end
+if tonumber(ARGV[2]) + n + 1 > tonumber(ARGV[3]) then return 0 end
+redis.call('HSET', KEYS[1], 'n', n + 1, 'token', ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+return n + 1
+"""
+# Long enough for a split request to wait in any queue and be claimed; it only bounds the key's life.
+RUN_RECORD_TTL_MS = 3_600_000
+
 CLEANUP_EVERY = 10  # scans between consumer clean-ups
 
 
@@ -171,6 +189,8 @@ class Reclaimer:
         self._clean = redis.register_script(_CLEAN_CONSUMERS)
         self._claim = redis.register_script(_CLAIM)
         self._split = redis.register_script(_SPLIT)
+        self._run_alone = redis.register_script(RUN_ALONE)
+        self._keys = Keys(settings.key_prefix)
         self._claim_record = Keys(settings.key_prefix).claim_record(settings.model, worker_id)
         self._queued_requests = Keys(settings.key_prefix).queued_requests(settings.model)
         self._scanner = Periodic("reclaim", self.scan, settings.reclaim_interval_ms / 1000)
@@ -297,6 +317,17 @@ class Reclaimer:
         self.packs_split += 1
         log.info("pack split for redelivery", extra={"entry_id": pack.entry_id, "requests": len(parts),
                                                      "added": int(added), "worker_id": self._worker_id})
+
+    async def may_run(self, entry: Entry) -> bool:
+        """Whether `entry`, a suspect about to run alone, may run once more: its delivery count
+        within max_deliveries, or, for a request split from a pack, its pack's deliveries plus its
+        runs alone so far plus this one (recorded now: _RUN_ALONE). Raises RedisError."""
+        prior = prior_deliveries(entry.fields)
+        if not prior:
+            return not self.exhausted(entry.delivery_count)
+        run = await self._run_alone(keys=[self._keys.suspect_runs(self._settings.model, entry.entry_id)],
+                                    args=[uuid.uuid4().hex, prior, self._settings.max_deliveries, RUN_RECORD_TTL_MS])
+        return int(run) > 0
 
     def exhausted(self, delivery_count: int) -> bool:
         """True when a request delivered `delivery_count` times has used up `max_deliveries` and

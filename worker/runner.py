@@ -51,7 +51,7 @@ from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads
-from vramguard.worker.reclaim import Reclaimer
+from vramguard.worker.reclaim import Reclaimer, Suspect
 from vramguard.worker.serve import BatchServer
 from vramguard.worker.tasks import LONG_LIVED, LoopRecovery
 from vramguard.worker.watchdog import Watchdog
@@ -329,7 +329,10 @@ class Worker:
                     with self._holding(entries):  # kept fresh while the batches in flight end
                         if self._inflight:
                             await asyncio.wait(set(self._inflight))
-                        await self._serve_batch(redis, entries)
+                        assert self.reclaimer is not None
+                        await self._serve_alone(redis, self.reclaimer, entries)
+                except Exception as exc:  # noqa: BLE001 - Redis trouble: the entry stays pending for reclaim
+                    await self._recover(redis, exc, recovery, "suspect")
                 finally:
                     slots.release()
                 continue
@@ -369,10 +372,16 @@ class Worker:
         suspect = await reclaimer.claim_one()
         if suspect is None:
             return
-        if reclaimer.exhausted(suspect.delivery_count):
-            await reclaimer.dead_letter(suspect, self.settings.reply_stream_maxlen)
+        await self._serve_alone(redis, reclaimer, [Slice.whole(suspect.entry)])
+
+    async def _serve_alone(self, redis: aioredis.Redis, reclaimer: Reclaimer, batch: list[Slice]) -> None:
+        """Serve a suspect's batch of one (nothing else in flight), or dead-letter it once it has
+        used up max_deliveries (Reclaimer.may_run)."""
+        entry = batch[0].entry
+        if not await reclaimer.may_run(entry):
+            await reclaimer.dead_letter(Suspect(entry, entry.delivery_count), self.settings.reply_stream_maxlen)
             return
-        await self._serve_batch(redis, [Slice.whole(suspect.entry)])
+        await self._serve_batch(redis, batch)
 
     async def _drain(self, redis: aioredis.Redis) -> ExitCode:
         carried = self._batcher.drain_carry() if self._batcher is not None else []

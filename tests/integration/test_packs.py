@@ -28,7 +28,7 @@ from vramguard.shared.redis_client import connect
 from vramguard.worker.batch_errors import answer_internal_error
 from vramguard.worker.batcher import Batcher
 from vramguard.worker.publish import ACK, Outgoing, publish_replies
-from vramguard.worker.reclaim import Reclaimer
+from vramguard.worker.reclaim import RUN_ALONE, Reclaimer
 
 
 async def enqueue_pack(redis: aioredis.Redis, keys: Keys, reply_to: str, tags: list[str]) -> str:
@@ -288,3 +288,31 @@ async def test_a_suspect_waiting_for_the_batch_in_flight_stays_its_workers(
     await wait_until(both_answered, 15)
     got = [(r.request_id, r.worker_id) for r in await replies(redis_client, reply_to)]
     assert got == [("x", "slow"), ("s", "slow")]
+
+
+async def test_a_split_request_counts_its_runs_alone_not_the_deaths_of_its_holders(
+        redis_client, key_prefix, settings_factory) -> None:  # type: ignore[no-untyped-def]
+    """max_deliveries is 2. A request split from a pack that killed one worker (prior 1) was read
+    ahead by a worker that died running a sibling, and is claimed: its entry's delivery count is
+    now 2, plus 1 prior.
+    Result: it may run (1 prior + this run = 2), and that run is recorded; one more may not (3); a
+    re-sent call (its reply lost) answers the run it recorded, counting nothing twice."""
+    keys = Keys(key_prefix)
+    stream, reply_to = await setup_stream(redis_client, keys)
+    message = RequestMessage(RequestId("a"), "synthetic", [1], reply_to, now_ms() + 60_000, now_ms())
+    await redis_client.xadd(stream, {ENTRY_FIELD: message.encode(), PRIOR_DELIVERIES_FIELD: b"1"})
+    await deliver_to(redis_client, stream, "died-holding-it")
+    settings = settings_factory(model="synthetic", max_deliveries=2, claim_idle_ms=200, reclaim_interval_ms=50,
+                                heartbeat_interval_ms=50)
+    reclaimer = Reclaimer(settings, redis_client, stream, keys.dead_letter_stream("synthetic"), "w", list)
+    await asyncio.sleep(0.3)
+    await reclaimer.scan()
+    suspect = await reclaimer.claim_one()
+    assert suspect is not None and suspect.delivery_count == 3
+    assert await reclaimer.may_run(suspect.entry)
+    assert not await reclaimer.may_run(suspect.entry)
+    runs = keys.suspect_runs("synthetic", suspect.entry.entry_id)
+    script = redis_client.register_script(RUN_ALONE)
+    await redis_client.hset(runs, "token", "t1")  # the recorded run's token, as a re-sent call brings it
+    assert await script(keys=[runs], args=["t1", 1, 2, 60_000]) == 1
+    assert await redis_client.hget(runs, "n") == b"1"
