@@ -147,8 +147,7 @@ class Dispatcher:
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
-        self._check_watched: asyncio.Future[object] | None = None  # the reply-stream check last queued
-        self._checked_ms = -float(REPLY_CHECK_INTERVAL_MS)  # when it was queued (monotonic ms)
+        self._checked_ms = -float(REPLY_CHECK_INTERVAL_MS)  # when the last reply-stream check was queued (monotonic)
         self._configs: dict[str, ModelConfig] = {}
 
     def __repr__(self) -> str:
@@ -339,20 +338,18 @@ class Dispatcher:
                 f"{config.queue_bound_bytes} (queue_bound_bytes)", retry_after_s=1)
 
     def _reply_check(self) -> asyncio.Future[object] | None:
-        """The ENSURE_REPLY_STREAM check for an admission about to be queued: the one queued or in
-        flight, shared; a new one, queued first so that it is answered first (in the data-loss case
-        the stream exists again before a worker can have read, run and answered the new entry),
-        once REPLY_CHECK_INTERVAL_MS have passed since the last; else None."""
-        check = self._check_watched
-        if check is not None and not check.done():
-            return check
+        """A new ENSURE_REPLY_STREAM check for the admission about to be queued, once
+        REPLY_CHECK_INTERVAL_MS have passed since the last one was queued; else None. Queued ahead
+        of the admission, so answered ahead of it and of the others of its round trip (in the
+        data-loss case the stream exists again before a worker can have read, run and answered
+        their entries). Never one already sent: an admission must not wait for, or fail with, a
+        round trip it is not in (a stalled one is left behind after STALL_S, gateway/coalesce.py)."""
         now = monotonic_ms()
         if now - self._checked_ms < REPLY_CHECK_INTERVAL_MS:
             return None
         self._checked_ms = now
-        check = self._check_watched = self._scripts.call(
-            self._ensure_reply, [self._listener.stream],
-            [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s])
+        check = self._scripts.call(self._ensure_reply, [self._listener.stream],
+                                   [INIT_FIELD, self._settings.reply_stream_maxlen, self._settings.reply_stream_ttl_s])
         check.add_done_callback(self._reply_stream_checked)
         return check
 

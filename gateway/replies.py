@@ -168,8 +168,11 @@ class ReplyListener:
         try:
             if not await self._redis.expire(self.stream, self._settings.reply_stream_ttl_s):
                 log.warning("reply stream vanished (Redis restarted?); recreating", extra={"stream": self.stream})
-                await self.stream_lost()
+                # Recreated first: a request admitted meanwhile (admissions check the stream only now
+                # and then, gateway/dispatch.py) would otherwise lose its reply to NOMKSTREAM and wait
+                # for its deadline; stream_lost then fails everything enqueued before, that one too.
                 await self._ensure_stream()
+                await self.stream_lost()
         except Exception as exc:  # any error, as in _read_loop; the next beat tries again
             log.warning("reply stream keepalive failed", extra={"error": repr(exc)})
 

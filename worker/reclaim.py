@@ -339,7 +339,8 @@ class Reclaimer:
         caller of a pack's requests) a model_error reply, in one MULTI (publish.py). Raises
         RedisError (it then stays pending)."""
         entry = suspect.entry
-        deliveries = suspect.delivery_count - 1
+        # A request split from a pack is exhausted when its runs reached max_deliveries (may_run).
+        deliveries = self._settings.max_deliveries if prior_deliveries(entry.fields) else suspect.delivery_count - 1
         reason = (f"the request was delivered {deliveries} times and each time the worker running it died; "
                   f"moved to the dead-letter stream (max_deliveries={self._settings.max_deliveries})")
         ledger = PackLedger()  # a pack's requests, so that each caller is answered and counted
