@@ -132,6 +132,7 @@ class Batcher:
         # Requests per stream entry: in the last read, and at most (ModelConfig.requests_per_entry).
         self._per_entry = 1.0
         self.requests_per_entry = requests_per_entry
+        self._entries_read = 0  # stream entries the last read returned
 
     @property
     def max_held_entries(self) -> int:
@@ -175,16 +176,27 @@ class Batcher:
         return batch
 
     async def _read_more(self, block_ms: int | None) -> bool:
-        """Read what room is left (None: do not block); False when there was no room to read."""
-        room = min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
-        if room < 1:
+        """Read what room is left (None: do not block); False when there was no room to read.
+
+        An entry carries one request or a pack of several (worker/entries.py), and only a read
+        tells which. A read asks for as many entries as the room takes at the last read's requests
+        per entry, but never for more than packs of the most requests could fill twice over: a
+        read of singles, then one of packs, must not hoard batches of requests from idle workers.
+        While a read comes back full and room is left, the stream may hold more: the next read,
+        sized by what this one carried, goes at once, without blocking."""
+        if self._room() < 1:
             return False
-        # As many entries as the room takes at the last read's requests per entry (packs carry
-        # several), but never more than packs of the most requests could fill twice over: a read
-        # of singles followed by one of packs must not hoard batches of requests from idle workers.
-        count = max(1, min(math.ceil(room / self._per_entry), math.ceil(2 * room / self.requests_per_entry)))
-        self._held.extend(Held(entry) for entry in await self._read(count, block_ms))
-        return True
+        while True:
+            room = self._room()
+            count = max(1, min(math.ceil(room / self._per_entry), math.ceil(2 * room / self.requests_per_entry)))
+            self._held.extend(Held(entry) for entry in await self._read(count, block_ms))
+            if self._entries_read < count or self._room() < 1:
+                return True
+            block_ms = None
+
+    def _room(self) -> int:
+        """Requests that may still be read: within the held bound and a batch's items."""
+        return min(self.max_held_entries - len(self._held), self.max_batch_size - self._small_items())
 
     def _small_items(self) -> int:
         """Items of held entries not yet started that fit a batch whole."""
@@ -240,6 +252,7 @@ class Batcher:
         )
         streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
         # A pending entry deleted meanwhile comes back as (id, None/{}): nothing left to serve.
+        self._entries_read = sum(len(entries) for _s, entries in streams or ())
         read = [(eid, fields) for _s, entries in streams or () for eid, fields in entries if fields]
         out = [entry for eid, fields in read for entry in self.ledger.read_entries(eid, fields)]
         if read:

@@ -2,8 +2,8 @@
 
 1. The gateway and two workers (fault injection on, so executions are recorded; max_deliveries
    2) reach Redis through a proxy (tests/proxy.py) that cuts the connection instead of
-   delivering every second reply to a script: the admission, the claims, the refreshes.
-2. 20 clients send 120 requests; forwards take 200 ms. Once worker 0 holds a batch of 4 or more it is SIGKILLed
+   delivering every second reply to a script: the admission, the claims, the refreshes, the acks.
+2. 20 clients send 120 requests (60 s deadlines); forwards take 200 ms. Once worker 0 holds a batch of 4 or more it is SIGKILLed
    mid-batch and restarted under its name, so its entries are claimed again through the proxy.
 
 Result: every request gets 200, exactly once; each ran once, more only when the process that
@@ -44,7 +44,10 @@ async def test_lost_replies_run_nothing_twice(chaos_stack, chaos_redis, redis_se
         await workers.wait_live(chaos_stack.url, 2)
         workers.start_watching()
         started = time.monotonic()
-        async with Load(chaos_stack.url, clients=20) as load:
+        # A deadline of 60 s: every second script reply is lost or held, the workers' acks (a script
+        # too) included, and a request may wait through several retries; this scenario is about
+        # delivery (once, nothing lost), not latency.
+        async with Load(chaos_stack.url, clients=20, timeout_ms=60_000) as load:
 
             async def kill() -> None:  # once worker 0 holds a batch, so that there is something to claim
                 stream = Keys(chaos_stack.settings["key_prefix"]).request_stream("synthetic")

@@ -316,3 +316,21 @@ async def test_a_split_request_counts_its_runs_alone_not_the_deaths_of_its_holde
     await redis_client.hset(runs, "token", "t1")  # the recorded run's token, as a re-sent call brings it
     assert await script(keys=[runs], args=["t1", 1, 2, 60_000]) == 1
     assert await redis_client.hget(runs, "n") == b"1"
+
+
+async def test_a_backlog_of_small_packs_fills_one_batch(redis_client, key_prefix) -> None:  # type: ignore[no-untyped-def]
+    """Ten requests wait in packs of 3, 3, 2, 1 and 1 (as calls of a busy gateway admit them); a
+    worker with batches of ten, whose last read was a single request, reads. Result: one batch of
+    all ten: a read that comes back full is followed at once by one sized by what it carried."""
+    keys = Keys(key_prefix)
+    stream, reply_to = await setup_stream(redis_client, keys)
+    await enqueue(redis_client, stream, reply_to, "first")
+    batcher = Batcher(redis_client, stream, "W", max_batch_size=10, max_wait_ms=0, block_ms=50, replay_history=False,
+                      requests_per_entry=10)
+    assert len(await batcher.read_batch()) == 1
+    for n, size in enumerate([3, 3, 2]):
+        await enqueue_pack(redis_client, keys, reply_to, [f"p{n}-{i}" for i in range(size)])
+    for tag in ("s0", "s1"):
+        await enqueue(redis_client, stream, reply_to, tag)
+    batch = await batcher.read_batch()
+    assert len(batch) == 10 and (await redis_client.xpending(stream, GROUP))["pending"] == 6
