@@ -14,7 +14,10 @@ async def test_drain_serves_the_carried_over_entries(redis_client, start_worker,
     keys = Keys(key_prefix)
     stream, reply_to = keys.request_stream("synthetic"), keys.reply_stream("test")
     await redis_client.xadd(reply_to, {b"init": b"1"})
-    handle = await start_worker(models={"synthetic": {"max_batch_size": 4, "params": {"batch_ms": 500}}})
+    # One request per entry: a read then asks for as many entries as the batch has room for items
+    # (4), not for two packs' worth, and so takes more items than one batch holds.
+    handle = await start_worker(models={"synthetic": {"max_batch_size": 4, "max_requests_per_entry": 1,
+                                                      "params": {"batch_ms": 500}}})
     async with redis_client.pipeline(transaction=True) as pipe:  # one MULTI: the worker reads all 4 at once
         for i in range(4):  # 3 inputs each: a read of 4 entries keeps one, carries three over
             msg = RequestMessage(RequestId(f"r{i}"), "synthetic", [i] * 3, reply_to, now_ms() + 30_000, now_ms())
