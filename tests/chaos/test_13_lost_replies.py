@@ -3,8 +3,9 @@
 1. The gateway and two workers (fault injection on, so executions are recorded; max_deliveries
    2) reach Redis through a proxy (tests/proxy.py) that cuts the connection instead of
    delivering every second reply to a script: the admission, the claims, the refreshes, the acks.
-2. 20 clients send 120 requests (60 s deadlines); forwards take 200 ms. Once worker 0 holds a batch of 4 or more it is SIGKILLed
-   mid-batch and restarted under its name, so its entries are claimed again through the proxy.
+2. 20 clients send 120 requests (60 s deadlines); forwards take 200 ms. Once worker 0 holds a
+   batch of 4 or more it is SIGKILLed mid-batch and restarted under its name, so its entries are
+   claimed again through the proxy.
 
 Result: every request gets 200, exactly once; each ran once, more only when the process that
 ran it first was the killed one; no innocent entry reaches the dead letter (a claim re-sent
