@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
+import secrets
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -17,6 +17,7 @@ from redis.exceptions import RedisError
 
 from vramguard.gateway.backpressure import ThroughputMeter, retry_after_s
 from vramguard.gateway.coalesce import ScriptBatcher
+from vramguard.gateway.deadline import Deadline
 from vramguard.gateway.health import Health
 from vramguard.gateway.replies import INIT_FIELD, ReplyListener, ReplyStream
 from vramguard.shared.clock import monotonic_ms, now_ms
@@ -30,7 +31,14 @@ from vramguard.shared.errors import (
 )
 from vramguard.shared.keys import Keys
 from vramguard.shared.models import ModelConfig
-from vramguard.shared.protocol import ENTRY_FIELD, REQUESTS_FIELD, ReplyMessage, RequestId, RequestMessage
+from vramguard.shared.protocol import (
+    ENTRY_FIELD,
+    REQUESTS_FIELD,
+    ReplyMessage,
+    RequestId,
+    RequestMessage,
+    new_request_id,
+)
 from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, reply_attributes
@@ -199,7 +207,7 @@ class Dispatcher:
             raise InvalidInputError(f"model {model[:100]!r} generates text: use POST /v1/chat/completions or "
                                     "POST /v1/completions", request_id=request_id)
         config = self.config_for(model)
-        request_id = request_id or RequestId(uuid.uuid4().hex)
+        request_id = request_id or new_request_id()
         started_ms = monotonic_ms()
         timeout_ms = timeout_ms or config.default_timeout_ms
         try:
@@ -279,7 +287,7 @@ class Dispatcher:
             # cancelled redis-py command can poison its connection): past the deadline we answer 504;
             # an admission still waiting for its round trip is then left out of it, and an entry
             # already added is answered to nobody (its reply is dropped).
-            async with asyncio.timeout(self._remaining_s(timeout_ms, started_ms)):
+            with Deadline(self._remaining_s(timeout_ms, started_ms)):
                 await self._admit(model, message)
                 self._listener.mark_enqueued(request_id)
                 self.submitted += 1
@@ -318,7 +326,7 @@ class Dispatcher:
                 self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model)],
                 [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes, REQUESTS_FIELD,
                  self._requests_per_entry(model)],
-                [], [message.encode()], call_key=lambda: self._keys.admission(model, uuid.uuid4().hex))
+                [], [message.encode()], call_key=lambda: self._keys.admission(model, secrets.token_hex(16)))
             # A check queued with this admission was answered in the same round trip, ahead of it
             # (run_scripts keeps the calls' order, and an item's answer is set one callback after its call's).
             checked = None if check is None else check.result() if check.done() else await asyncio.shield(check)

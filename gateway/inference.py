@@ -4,7 +4,6 @@ translates its body into (inputs, parameters, timeout) and the reply back into i
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import cast
@@ -20,7 +19,7 @@ from vramguard.gateway.metrics import RequestRecord
 from vramguard.gateway.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
 from vramguard.shared.errors import InvalidInputError
 from vramguard.shared.models import InputKind, ModelSpec
-from vramguard.shared.protocol import ReplyMessage, RequestId
+from vramguard.shared.protocol import ReplyMessage, RequestId, new_request_id
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import server_span
 
@@ -50,7 +49,7 @@ def request_id_of(request: Request) -> RequestId:
     state: dict[str, object] = request.scope.setdefault("state", {})
     request_id = state.get("request_id")
     if request_id is None:
-        request_id = state["request_id"] = RequestId(uuid.uuid4().hex)
+        request_id = state["request_id"] = new_request_id()
     return cast(RequestId, request_id)
 
 

@@ -25,10 +25,9 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
@@ -94,36 +93,21 @@ class GatewayMetrics:
         self.cluster = ClusterCollector(health, self._models, bounds)
         self.registry.register(self.cluster)
 
-    @contextmanager
-    def track(self, model: str) -> Iterator[RequestRecord]:
-        """Count, time and log one request to a served `model`. The outcome is "ok", or the
-        code of the VramguardError that escapes (re-raised), "cancelled", or "internal" for anything else."""
-        record = RequestRecord(model)
-        outcome = "internal"
-        started = time.perf_counter()
-        in_flight = self._in_flight.get(model) or self.in_flight.labels(model)
-        in_flight.inc()
-        try:
-            yield record
-            outcome = "ok"
-        except VramguardError as exc:
-            outcome = exc.code
-            record.request_id = record.request_id or exc.request_id
-            record.error_detail = exc.detail
-            raise
-        except asyncio.CancelledError:
-            outcome = "cancelled"  # the client went away
-            raise
-        finally:
-            elapsed_s = time.perf_counter() - started
-            in_flight.dec()
-            if outcome == "ok" and model in self._ok:
-                requests, duration = self._ok[model]
-            else:
-                requests, duration = self.requests.labels(model, outcome), self.duration.labels(model, outcome)
-            requests.inc()
-            duration.observe(elapsed_s)
-            _log_request(record, outcome, elapsed_s)
+    def track(self, model: str) -> RequestTracking:
+        """Count, time and log one request to a served `model` over a `with` block, which gives its
+        RequestRecord. The outcome is "ok", or the code of the VramguardError that escapes
+        (re-raised), "cancelled", or "internal" for anything else."""
+        return RequestTracking(self, model)
+
+    def _finish(self, record: RequestRecord, outcome: str, elapsed_s: float) -> None:
+        model = record.model
+        if outcome == "ok" and model in self._ok:
+            requests, duration = self._ok[model]
+        else:
+            requests, duration = self.requests.labels(model, outcome), self.duration.labels(model, outcome)
+        requests.inc()
+        duration.observe(elapsed_s)
+        _log_request(record, outcome, elapsed_s)
 
     async def queue_stats(self) -> dict[str, QueueStats] | None:
         return await read_queue_stats(self._redis, self._keys, self._models)
@@ -184,6 +168,40 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return False  # another user's: the gateways sharing a directory run as one user, so the pid was reused
     return True
+
+
+class RequestTracking:
+    """`GatewayMetrics.track`'s block. A class rather than a generator-based context manager:
+    every inference request enters one, and contextlib's wrapper costs a generator and its frames."""
+
+    __slots__ = ("_metrics", "_record", "_in_flight", "_started")
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self._metrics = metrics
+        self._record = RequestRecord(model)
+        self._in_flight = metrics._in_flight.get(model) or metrics.in_flight.labels(model)
+
+    def __enter__(self) -> RequestRecord:
+        self._started = time.perf_counter()
+        self._in_flight.inc()
+        return self._record
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        elapsed_s = time.perf_counter() - self._started
+        self._in_flight.dec()
+        record = self._record
+        if exc is None:
+            outcome = "ok"
+        elif isinstance(exc, VramguardError):
+            outcome = exc.code
+            record.request_id = record.request_id or exc.request_id
+            record.error_detail = exc.detail
+        elif isinstance(exc, asyncio.CancelledError):
+            outcome = "cancelled"  # the client went away
+        else:
+            outcome = "internal"
+        self._metrics._finish(record, outcome, elapsed_s)
 
 
 def _log_request(record: RequestRecord, outcome: str, elapsed_s: float) -> None:

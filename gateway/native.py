@@ -14,7 +14,10 @@ slash, a path that names no model) goes through the stack and answers as it alwa
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
@@ -39,12 +42,34 @@ def native_model(scope: Scope) -> str | None:
     return model if model and "/" not in model else None
 
 
+class AppState(State):
+    """`app.state` whose values are also plain instance attributes. Starlette's State keeps them
+    in a dict behind `__getattr__`, which Python calls only after the normal lookup has failed and
+    raised inside: about 1 us per read, and a request reads the app's settings, dispatcher and
+    metrics about ten times. Read the same way, written and deleted the same way."""
+
+    def __setattr__(self, key: Any, value: Any) -> None:
+        super().__setattr__(key, value)
+        object.__setattr__(self, key, value)
+
+    def __delattr__(self, key: Any) -> None:
+        super().__delattr__(key)
+        object.__delattr__(self, key)
+
+    __setitem__ = __setattr__
+    __delitem__ = __delattr__
+
+
 class GatewayApp(FastAPI):
     """The gateway's FastAPI app with the native inference route served by `serve_native`.
     `body_budget` is the process' BodyBudget, shared with the HoldBodies middleware that holds the
     bodies of every other route."""
 
     body_budget: BodyBudget
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state = AppState()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         model = native_model(scope)

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from vramguard.gateway.disconnect import unless_disconnected
+from vramguard.gateway.disconnect import WATCH_AFTER_S, unless_disconnected
 from vramguard.gateway.edge import ClientGoneError
 
 
@@ -42,3 +42,16 @@ async def test_work_that_swallows_the_cancel_still_ends_as_client_gone() -> None
     with pytest.raises(ClientGoneError):
         await unless_disconnected(gone_request(), stubborn())
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_each_waiting_request_is_watched_from_its_own_start() -> None:
+    """The watches share one timer per loop: a request that ends early is never watched, one added
+    later is watched once it has waited WATCH_AFTER_S (at most half of it later), not before."""
+    loop = asyncio.get_running_loop()
+    early = await unless_disconnected(gone_request(), asyncio.sleep(0.05, result="early"))
+    await asyncio.sleep(WATCH_AFTER_S / 2)
+    started = loop.time()
+    with pytest.raises(ClientGoneError):
+        await unless_disconnected(gone_request(), asyncio.sleep(30))
+    waited = loop.time() - started
+    assert early == "early" and WATCH_AFTER_S <= waited < 1.5 * WATCH_AFTER_S + 0.5, waited

@@ -60,3 +60,24 @@ def test_model_readiness_names_each_workers_problem() -> None:
     ok, details = h.model_readiness("synthetic")
     assert ok and details["live_workers"] == 1 and details["heartbeats"] == 2
     assert h.readiness()[0] is True
+
+
+def test_admission_sees_a_live_worker_go_stale_within_one_view() -> None:
+    """The per-view cache of `has_live_worker` holds only until the freshest worker's last success
+    ages past 2 probe intervals + the heartbeat TTL (65 s here), not for the view's life."""
+    h = health()
+    h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {"a": beat(), "b": beat(last_ok_ms=NOW)}})
+    assert h.has_live_worker("synthetic", NOW)
+    assert h.has_live_worker("synthetic", NOW + 65_000)  # b: 65 s since its success, at the limit
+    assert not h.has_live_worker("synthetic", NOW + 65_001)
+    assert not h.has_live_worker("other", NOW)
+
+
+def test_admission_reads_a_replaced_view_at_once() -> None:
+    h = health()
+    h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {"a": beat()}})
+    assert h.has_live_worker("synthetic", NOW)
+    h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {"a": beat(state="unhealthy")}})
+    assert not h.has_live_worker("synthetic", NOW)
+    h.view = HealthView(redis_ok=True, redis_error="", workers={"synthetic": {"a": beat()}})
+    assert h.has_live_worker("synthetic", NOW)
