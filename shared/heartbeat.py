@@ -100,7 +100,10 @@ class WorkerBeat:
     def to_hash(self) -> dict[str, str]:
         """The Redis hash: every field that has a value, as text (bools as 1/0)."""
         out: dict[str, str] = {}
-        for name, value in asdict(self).items():
+        # Every field is a scalar: read in place (asdict deep-copies, and a worker beats several
+        # times a second; the gateway's /v1/models parses what this writes).
+        for name in _NAMES:
+            value = getattr(self, name)
             if value is None:
                 continue
             out[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
@@ -137,6 +140,7 @@ class WorkerBeat:
 
 _INVALID = object()
 _HINTS = typing.get_type_hints(WorkerBeat)
+_NAMES = tuple(f.name for f in fields(WorkerBeat))
 
 
 def _json_object(text: str) -> dict[str, object] | None:

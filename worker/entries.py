@@ -15,7 +15,7 @@ Never imports torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vramguard.shared.protocol import (
     ENTRY_FIELD,
@@ -30,9 +30,11 @@ from vramguard.shared.protocol import (
 PART_SEP = "#"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Entry:
-    """One stream entry as read: a decoded request, or the reason it could not be decoded.
+    """One stream entry as read: a decoded request, or the reason it could not be decoded. Not
+    changed after the read (not frozen only because a frozen dataclass's __init__ costs about three
+    times as much, and the worker builds one per request).
     `delivery_count`: how often its request has been delivered, this time included (the consumer
     group's count plus a split pack's, `decode_entry`); above 1, a worker that held it died: it
     is a suspect, served alone (worker/reclaim.py)."""
@@ -42,10 +44,12 @@ class Entry:
     fields: dict[bytes, bytes]
     decode_error: str | None = None
     delivery_count: int = 1
+    # Its request's items (0 when undecodable): a field, not a property, since the batcher sums it
+    # over every held entry at each read of the batch window.
+    n_items: int = field(init=False)
 
-    @property
-    def n_items(self) -> int:
-        return self.message.n_items if self.message is not None else 0
+    def __post_init__(self) -> None:
+        self.n_items = len(self.message.inputs) if self.message is not None else 0
 
 
 def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], delivery_count: int = 1) -> Entry:
@@ -57,8 +61,14 @@ def decode_entry(entry_id: bytes, fields: dict[bytes, bytes], delivery_count: in
     data = fields.get(ENTRY_FIELD)
     if data is None:
         return Entry(eid, None, fields, f"entry has no {ENTRY_FIELD.decode()!r} field", deliveries)
+    return _decoded(eid, data, fields, deliveries)
+
+
+def _decoded(eid: EntryId, data: bytes, fields: dict[bytes, bytes] | None = None, deliveries: int = 1) -> Entry:
+    """The Entry of the packed request `data` (its entry's `fields`: {ENTRY_FIELD: data} when None)."""
+    fields = {ENTRY_FIELD: data} if fields is None else fields
     try:
-        return Entry(eid, RequestMessage.decode(data), fields, delivery_count=deliveries)
+        return Entry(eid, RequestMessage.decode(data), fields, None, deliveries)
     except ProtocolError as exc:
         return Entry(eid, None, fields, str(exc), deliveries)
 
@@ -119,8 +129,10 @@ class PackLedger:
             return [decode_entry(entry_id, fields)]
         stream_id = EntryId(entry_id.decode())
         self._open[stream_id] = (len(parts), set(range(len(parts))))
-        # Each part as the entry of its own it would be (the fields a dead letter of it keeps).
-        return [decode_entry(part_id(stream_id, i).encode(), {ENTRY_FIELD: data}) for i, data in enumerate(parts)]
+        # Each part as the entry of its own it would be (the fields a dead letter of it keeps), as
+        # decode_entry reads a plain entry, first delivered (a pack's parts are never redelivered:
+        # reclaim splits the pack first). Inline: this runs once per request the worker serves.
+        return [_decoded(part_id(stream_id, i), data) for i, data in enumerate(parts)]
 
     def settle(self, entry_ids: Iterable[EntryId]) -> list[tuple[EntryId, int]]:
         """Mark `entry_ids` answered. Returns the stream entries now done (plain entries, and
