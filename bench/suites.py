@@ -293,10 +293,22 @@ def instant(cfg: BenchConfig, name: str, *, workers: int = 1, gateways: int = 1,
 
 
 def alternate(cfg: BenchConfig, suite: str, services: list[tuple[str, Service]],
-              point: Callable[[str, Service, int], dict[str, object]]) -> Records:
+              point: Callable[[str, Service, int], dict[str, object]], *, alone: bool = False) -> Records:
     """Start every service, then measure them in turn (A B C A B C ...) for `cfg.pairs` rounds, so
     that machine drift falls on all of them alike; `point(config, service, round)` measures one.
-    A service listed under several configs is started once."""
+    A service listed under several configs is started once. `alone`: instead, each service is
+    started for its own point and stopped after it, as `one_at_a_time` does, for suites whose
+    services idle at a cost (LitServe's polling loops)."""
+    if alone:
+        for round_ in range(cfg.pairs):
+            for config, service in services:
+                service.start()
+                try:
+                    yield {"suite": suite, "config": config, "pair": round_, "system": service.kind,
+                           **point(config, service, round_)}
+                finally:
+                    service.stop()
+        return
     with ExitStack() as up:
         for service in {id(service): service for _config, service in services}.values():
             service.start()
@@ -311,7 +323,10 @@ def cost(cfg: BenchConfig) -> Records:
     """Serving CPU per request at concurrency 64 by process, and Redis commands per request:
     vramguard with one instant worker, the FastAPI echo endpoint (the floor of the ratio) and
     LitServe with an instant model (when the peer venv is built), first echoing the text, then
-    answering minilm-shaped replies (EMBEDDING_DIM float32 each), all alternating."""
+    answering minilm-shaped replies (EMBEDDING_DIM float32 each), alternating, each server up
+    only for its own point: with all six up, the machine's two cores were busy whole through
+    every point (`machine_cores_busy` 2.0 against 0.8 for the server measured and its client),
+    so each point ran on a saturated machine."""
     services: list[tuple[str, Service]] = []
     for dim in (0, EMBEDDING_DIM):
         params = json.dumps({"batch_ms": 0.0, "item_ms": 0.0, "output_dim": dim})
@@ -325,7 +340,7 @@ def cost(cfg: BenchConfig) -> Records:
                           duration_s=cfg.duration_s, warmup_s=cfg.warmup_s, label=f"cost {config} #{round_}",
                           progress=cfg.progress, redis_url=service.redis_url)
 
-    yield from alternate(cfg, "cost", services, point)
+    yield from alternate(cfg, "cost", services, point, alone=True)
 
 
 GATEWAY_COUNTS = (1, 2)  # 2 cores: the machine is full at 2 gateways, a third could only add work
