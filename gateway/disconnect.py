@@ -7,9 +7,8 @@ Most requests are answered in tens of milliseconds, and a watcher is a task of i
 largest fixed cost of a request on the gateway after the HTTP stack: so the watch starts only
 once a request has waited WATCH_AFTER_S, and a disconnect cancels the waiting handler itself.
 A client that leaves sooner is noticed then, when its batch has most likely run. The waits due
-for a watch are started by one repeating timer per event loop (`_WatchStarter`, every half
-WATCH_AFTER_S, so a watch starts 1 to 1.5 WATCH_AFTER_S into the wait), not a timer per request:
-on uvloop a timer's call_later and cancel cost 2.6-4.8 us with the hundreds pending under load."""
+for a watch are coarse timers (gateway/coarsetimers.py), checked every half WATCH_AFTER_S, so a
+watch starts 1 to 1.5 WATCH_AFTER_S into the wait, with no timer of its own per request."""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ from typing import TypeVar
 
 from fastapi import Request
 
+from vramguard.gateway.coarsetimers import CoarseTimers
 from vramguard.gateway.edge import ClientGoneError
 
 T = TypeVar("T")
@@ -34,8 +34,8 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     handler = asyncio.current_task()
     assert handler is not None, "unless_disconnected runs in the request's task"
     watch = _Watch(request, handler)
-    starter = _starter(handler.get_loop())
-    starter.add(watch)
+    starts = _watch_starts(handler.get_loop())
+    starts.call_later(watch, WATCH_AFTER_S, watch.start)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -44,7 +44,7 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
             raise ClientGoneError("the client disconnected before its answer") from None
         raise
     finally:
-        starter.discard(watch)
+        starts.cancel(watch)
         watch.stop()
     if watch.gone:  # the work ended as the cancel came and swallowed it (Python 3.11's wait_for can)
         handler.uncancel()
@@ -52,45 +52,15 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     return result
 
 
-class _WatchStarter:
-    """Starts each added watch once it has been added for WATCH_AFTER_S, unless it is discarded
-    first; one per event loop. Every wait is added with the same delay, so the dict's order (the
-    order of adding) is the order they fall due."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-        self._due: dict[_Watch, float] = {}  # watch -> the loop time it starts at
-        self._timer: asyncio.TimerHandle | None = None
-
-    def add(self, watch: _Watch) -> None:
-        self._due[watch] = self._loop.time() + WATCH_AFTER_S
-        if self._timer is None:
-            self._timer = self._loop.call_later(WATCH_AFTER_S / 2, self._start_due)
-
-    def discard(self, watch: _Watch) -> None:
-        self._due.pop(watch, None)
-
-    def _start_due(self) -> None:
-        self._timer = None
-        now = self._loop.time()
-        while self._due:
-            watch, due = next(iter(self._due.items()))
-            if due > now:
-                break
-            del self._due[watch]
-            watch.start()
-        if self._due:
-            self._timer = self._loop.call_later(WATCH_AFTER_S / 2, self._start_due)
+# The watches due to start, per event loop: checked every half WATCH_AFTER_S.
+_starts: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, CoarseTimers] = weakref.WeakKeyDictionary()
 
 
-_starters: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _WatchStarter] = weakref.WeakKeyDictionary()
-
-
-def _starter(loop: asyncio.AbstractEventLoop) -> _WatchStarter:
-    starter = _starters.get(loop)
-    if starter is None:
-        starter = _starters[loop] = _WatchStarter(loop)
-    return starter
+def _watch_starts(loop: asyncio.AbstractEventLoop) -> CoarseTimers:
+    starts = _starts.get(loop)
+    if starts is None:
+        starts = _starts[loop] = CoarseTimers(loop, WATCH_AFTER_S / 2)
+    return starts
 
 
 class _Watch:

@@ -14,11 +14,10 @@ Limits (Settings, `http_*`):
         line and headers together, get 431 and close.
     keep-alive: an idle kept-alive connection is closed after `http_keep_alive_s` (uvicorn's).
 
-The header and body deadlines are checked by one repeating timer per server (`DeadlineSweep`),
-every tenth of the shorter of the two, so a deadline is enforced up to a tenth late. A timer per
-deadline would be two per request (armed at its first byte, re-armed at the end of its headers):
-on uvloop a timer's call_later and cancel cost 2.6-4.8 us (measured with 400 timers pending, as
-under load), against a request's whole gateway CPU of about 250 us.
+The header and body deadlines are coarse timers (gateway/coarsetimers.py), one set per server,
+checked every tenth of the shorter of the two, so a deadline is enforced up to that late: a timer
+of their own would be two per request (armed at its first byte, re-armed at the end of its
+headers).
 """
 
 from __future__ import annotations
@@ -26,12 +25,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import ClassVar
 
 import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from vramguard.gateway.coarsetimers import CoarseTimers
 from vramguard.shared.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -45,53 +45,26 @@ class _Refused(Exception):
         self.status = status
 
 
-# Sweeps per deadline: a deadline is enforced up to 1/SWEEPS_PER_DEADLINE of itself late.
-SWEEPS_PER_DEADLINE = 10
-
-
-class DeadlineSweep:
-    """Fires the passed header and body deadlines of one server's connections (uvicorn's set of
-    live protocols), every `interval_s`, while any connection is open."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, connections: Collection[object], interval_s: float) -> None:
-        self.loop = loop
-        self._connections = connections
-        self.interval_s = interval_s
-        self._timer: asyncio.TimerHandle | None = None
-
-    def ensure(self) -> None:
-        """Keep sweeping (called when a connection arms a deadline)."""
-        if self._timer is None:
-            self._timer = self.loop.call_later(self.interval_s, self._sweep)
-
-    def _sweep(self) -> None:
-        self._timer = None
-        now = self.loop.time()
-        for conn in list(self._connections):  # a fired deadline closes its connection: leaves the set
-            if isinstance(conn, GuardedHttpToolsProtocol):
-                conn.check_deadline(now)
-        if self._connections:
-            self.ensure()
+# A deadline is enforced up to 1/CHECKS_PER_DEADLINE of the shorter of the two deadlines late.
+CHECKS_PER_DEADLINE = 10
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with deadlines, a connection cap and header caps.
-    `settings` is set on the subclass `protocol_class` builds; `sweep`, on it too, by the first
-    connection of the server."""
+    `settings` is set on the subclass `protocol_class` builds; `deadlines`, on it too, by the
+    first connection of the server: its connections' header and body deadlines, by connection."""
 
     settings: ClassVar[Settings]
-    sweep: ClassVar[DeadlineSweep | None] = None
+    deadlines: ClassVar[CoarseTimers | None] = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._late_at = 0.0  # the loop's time past which `_on_late` runs; meaningless while it is None
-        self._on_late: Callable[[], None] | None = None
         self._header_count = 0
         self._header_bytes = 0
         super().connection_made(transport)
         cls = type(self)
-        if cls.sweep is None or cls.sweep.loop is not self.loop:  # a server run again on a new loop
+        if cls.deadlines is None or cls.deadlines.loop is not self.loop:  # a server run again on a new loop
             shortest_s = min(self.settings.http_header_timeout_s, self.settings.http_body_timeout_s)
-            cls.sweep = DeadlineSweep(self.loop, self.connections, shortest_s / SWEEPS_PER_DEADLINE)
+            cls.deadlines = CoarseTimers(self.loop, shortest_s / CHECKS_PER_DEADLINE)
         if len(self.connections) > self.settings.http_max_connections:
             log.debug("connection refused: at the cap", extra={"connections": len(self.connections)})
             transport.close()
@@ -125,7 +98,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._header_count = 0
         self._header_bytes = 0
-        if self._on_late is None:  # a kept-alive connection's next request: its own deadline
+        if self not in self._deadlines:  # a kept-alive connection's next request: its own deadline
             self._arm(self.settings.http_header_timeout_s, self._headers_late)
 
     def on_url(self, url: bytes) -> None:
@@ -164,20 +137,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
                                  + body)
             self.transport.close()
 
+    @property
+    def _deadlines(self) -> CoarseTimers:
+        assert self.deadlines is not None  # set by the server's first connection_made
+        return self.deadlines
+
     def _arm(self, delay_s: float, callback: Callable[[], None]) -> None:
-        self._late_at = self.loop.time() + delay_s
-        self._on_late = callback
-        assert self.sweep is not None  # set by the server's first connection_made
-        self.sweep.ensure()
+        self._deadlines.call_later(self, delay_s, callback)
 
     def _disarm(self) -> None:
-        self._on_late = None
-
-    def check_deadline(self, now: float) -> None:
-        """Run the armed deadline's callback, once, when `now` (the loop's time) is past it."""
-        if self._on_late is not None and now >= self._late_at:
-            on_late, self._on_late = self._on_late, None
-            on_late()
+        self._deadlines.cancel(self)
 
     def _headers_late(self) -> None:
         log.debug("request headers not received in time; closing", extra={"client": self.client})
