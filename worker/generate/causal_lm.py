@@ -138,6 +138,11 @@ class CausalLMBackend:
         return int(self._model.config.num_hidden_layers)
 
     @property
+    def kv_tensors(self) -> int:
+        """Tensors of the KV cache: keys and values of every layer (the plan's fragmentation allowance)."""
+        return 2 * self.kv_layers
+
+    @property
     def max_item_cost(self) -> int:
         """A prefill forward's largest cost in tokens: the prefill chunk (the memory plan measures up to it)."""
         return self.prefill_chunk_tokens

@@ -31,7 +31,8 @@ def measure_kv_bytes_per_token(backend: Any, tokens: int = 16) -> int:
 
 def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPlan:
     """The KV plan from the worker's measured memory plan (worker/memory.py): the step's peak is the
-    fitted activation peak of a prefill chunk plus one decode token per running row. Raises
+    fitted activation peak of a prefill chunk plus one decode token per running row; on a GPU (or the
+    simulated one) the plan also leaves room for the caching allocator's holes. Raises
     KVPlanError; logs a warning when the measured bytes per token differ from the config's."""
     plan = budget.plan
     fit = Fit(plan.fixed_bytes, plan.per_unit_bytes)
@@ -40,9 +41,11 @@ def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPla
     if measured != expected:
         log.warning("KV cache bytes per token measured differ from the model config's",
                     extra={"measured": measured, "config": expected})
-    context = 0 if budget.accounting.kind == "cpu" else plan.context_bytes
+    on_cpu = budget.accounting.kind == "cpu"
+    context = 0 if on_cpu else plan.context_bytes
     return plan_kv(budget_bytes=plan.budget_bytes, context_bytes=context, weights_bytes=plan.weights_bytes,
                    step_peak_bytes=fit.predict(backend.prefill_chunk_tokens + max_running) if plan.planned else 0,
                    bytes_per_token=max(expected, measured), measured_bytes_per_token=measured,
                    max_running=max_running, prefill_chunk_tokens=backend.prefill_chunk_tokens,
-                   context_window=backend.context_window, copy_fraction=2 / backend.kv_layers)
+                   context_window=backend.context_window, copy_fraction=2 / backend.kv_layers,
+                   cache_tensors=0 if on_cpu else backend.kv_tensors)  # holes are the CUDA caching allocator's

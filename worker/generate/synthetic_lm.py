@@ -116,6 +116,11 @@ class SyntheticLMBackend:
         self.eos_token_ids = frozenset({0})
         self._sim: SimDevice | None = None
 
+    @property
+    def kv_tensors(self) -> int:
+        """Tensors of the KV cache: one per layer (SimKVBatch), for the plan's fragmentation allowance."""
+        return self.kv_layers
+
     def load(self) -> None:
         if self.device == "sim":
             self._sim = simdevice.current()
