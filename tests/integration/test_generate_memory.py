@@ -75,7 +75,7 @@ async def test_64_long_generations_on_a_small_simulated_device(stack: Stack, tmp
     assert 0 < generation["kv_bytes_peak"] <= plan["kv_budget_bytes"]
     assert plan["bytes_per_token"] == plan["measured_bytes_per_token"] == 64 * 1024
     assert plan["tokens_fit"] // 160 < 64  # the plan, not max_batch_size, bounded the running sequences
-    assert plan["fragmentation_bytes"] > 0  # room left for the caching allocator's holes
+    assert plan["fragmentation_bytes"] > plan["bytes_per_token"] * 1.25  # room for the allocator's holes, not rounding
 
 
 OOM_MODELS_FILE = MODELS_FILE.replace("default_timeout_ms = 300000", "default_timeout_ms = 300000, "

@@ -79,21 +79,24 @@ def holes_beside(tensor_bytes: int, tensors: int) -> int:
     keys and values are by torch.cat at every decode step, join and leave.
 
     From the allocator's rules (c10/cuda/CUDACachingAllocator.cpp, as worker/simalloc.py keeps them):
-    tensors of one size share segments of `segment_size` (2 MiB in the small pool, 20 MiB under
-    kMinLargeAlloc), seg // size to a segment, and each segment keeps the remainder no such tensor
-    fits in. Best fit hands out any free block at least as large as the request, and freed neighbours
-    merge, so a segment also holds at most one hole smaller than a tensor (the old copy of one that
-    grew). From kMinLargeAlloc (10 MiB) up a tensor is alone in its segment: a new one rounded up to
-    kRoundLarge (2 MiB), or up to kLargeBuffer (20 MiB) one that smaller tensors left cached, whose
-    free rest it splits off and leaves unusable.
+    tensors under kMinLargeAlloc (10 MiB) share segments of `segment_size` (2 MiB in the small pool,
+    20 MiB in the large one), seg // size to a segment, and the cap counts every segment whole, the
+    last one's empty slots and each one's remainder included. From 10 MiB up a tensor is alone in its
+    segment: a new one is rounded up to kRoundLarge (2 MiB), but best fit may also place it in a 20 MiB
+    segment that smaller tensors left cached, and the rest of that segment is then split off, too
+    small to use. Besides that, we take each segment to hold at most one free hole smaller than a
+    tensor (the old copy of one that grew, since best fit hands out any free block at least as large
+    as the request and freed neighbours merge): not a rule of the allocator, but what
+    `python -m bench.kv_fragmentation` found to hold over its 24 shapes. Expandable segments
+    (PYTORCH_CUDA_ALLOC_CONF) are not modelled here.
     """
     if tensor_bytes <= 0 or tensors <= 0:
         return 0
     size = round_size(tensor_bytes)
     segment = segment_size(size)
     if size < MIN_LARGE_ALLOC:
-        per_segment = segment // size  # at least 2: a segment is at least twice its class's largest request
-        return math.ceil(tensors / per_segment) * (segment - per_segment * size + size)
+        segments = math.ceil(tensors / (segment // size))  # at least 2 to a segment: it is twice its largest request
+        return segments * (segment + size) - tensors * size
     alone = max(segment, LARGE_BUFFER) if size <= LARGE_BUFFER else segment
     return tensors * (alone - size)
 
@@ -103,8 +106,9 @@ def _piece_ends(largest: int) -> list[int]:
     before each: between two of them it is linear in the size, so its most over any range of sizes
     is at one of these or at the range's end."""
     jumps = {SMALL_SIZE + MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, LARGE_BUFFER + MIN_BLOCK_SIZE}
-    for segment in (SMALL_BUFFER, LARGE_BUFFER):  # tensors per segment drops below k past segment / k
-        jumps.update(MIN_BLOCK_SIZE * (segment // k // MIN_BLOCK_SIZE + 1) for k in range(2, segment // MIN_BLOCK_SIZE))
+    # Tensors per segment drop below k past segment / k; the large pool holds requests over 1 MiB only.
+    for segment, smallest in ((SMALL_BUFFER, MIN_BLOCK_SIZE), (LARGE_BUFFER, SMALL_SIZE)):
+        jumps.update(MIN_BLOCK_SIZE * (segment // k // MIN_BLOCK_SIZE + 1) for k in range(2, segment // smallest + 1))
     jumps.update(range(MIN_LARGE_ALLOC + MIN_BLOCK_SIZE, largest + 1, ROUND_LARGE))  # past each 2 MiB rounding
     return sorted(size for jump in jumps for size in (jump - MIN_BLOCK_SIZE, jump) if 0 < size <= largest)
 
@@ -121,10 +125,11 @@ def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_p
     room = budget_bytes - context_bytes - weights_bytes - step_peak_bytes
     per_token = bytes_per_token * (1 + copy_fraction)
     tokens = int(room // per_token) if bytes_per_token > 0 and room > 0 else 0
+    fragmentation = 0
     if cache_tensors > 0 and tokens > 0:
         tokens = _tokens_with_holes(room, bytes_per_token, copy_fraction, cache_tensors, tokens)
-    kv_budget = int(tokens * per_token)
-    fragmentation = max(0, room - kv_budget)  # what the holes are given (and under a token's rounding)
+        fragmentation = int(room - tokens * per_token)  # rounded down, so kv_budget // per_token is tokens
+    kv_budget = room - fragmentation
     if tokens < 1:
         raise KVPlanError(
             f"the memory budget {budget_bytes / 2**20:.1f} MiB holds context {context_bytes / 2**20:.1f} + weights "
@@ -142,7 +147,7 @@ def _tokens_with_holes(room: int, bytes_per_token: int, copy_fraction: float, te
     in_flight = tensors + math.ceil(copy_fraction * tensors)  # the cache's tensors and the copies being made
 
     def footprint(size: int) -> float:  # the cache with its tensors at `size` bytes each, copies and holes
-        return size * tensors * (1 + copy_fraction) + holes_beside(size, in_flight)
+        return round_size(size) * tensors * (1 + copy_fraction) + holes_beside(size, in_flight)
 
     def size_of(tokens: int) -> int:
         return tokens * bytes_per_token // tensors
