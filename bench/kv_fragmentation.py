@@ -37,6 +37,7 @@ from vramguard.worker.memory import start_budget
 MIB = 1024 * 1024
 MAX_RUNNING = 64
 SEQUENCES = 64
+DERIVED = frozenset({"kv_budget_bytes", "tokens_fit", "fragmentation_bytes"})  # KVPlan fields plan_kv computes
 SHAPES = tuple(itertools.product((256, 512), (16, 64, 256), (4, 8, 16, 30)))  # device MiB, KV KiB/token, layers
 MODELS_FILE = """
 [simlm]
@@ -78,11 +79,8 @@ def start(device_mib: int, kv_kib: int, layers: int, *, allowance: bool = True) 
 
 def without_allowance(plan: KVPlan) -> KVPlan:
     """The same plan of bytes alone, as if the cache's tensors left no holes."""
-    return plan_kv(budget_bytes=plan.budget_bytes, context_bytes=plan.context_bytes, weights_bytes=plan.weights_bytes,
-                   step_peak_bytes=plan.step_peak_bytes, bytes_per_token=plan.bytes_per_token,
-                   measured_bytes_per_token=plan.measured_bytes_per_token, max_running=plan.max_running,
-                   prefill_chunk_tokens=plan.prefill_chunk_tokens, context_window=plan.context_window,
-                   copy_fraction=plan.copy_fraction, cache_tensors=0)
+    inputs = {k: v for k, v in plan.as_dict().items() if k not in DERIVED}
+    return plan_kv(**inputs, cache_tensors=0)  # type: ignore[arg-type]
 
 
 def serve(backend: SyntheticLMBackend, plan: KVPlan, seed: int) -> str | None:
