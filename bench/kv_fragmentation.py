@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--workloads", type=int, default=16, help="random workloads per shape (default 16)")
     parser.add_argument("--no-allowance", action="store_true", help="plan without the fragmentation allowance")
     args = parser.parse_args()
+    if args.workloads < 1:
+        parser.error("--workloads must be at least 1")
     print("device_mib kv_kib layers tokens_fit allowance_mib oom_workloads")
     total = 0
     for shape in SHAPES:
