@@ -10,12 +10,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import socket
 import sys
 from types import FrameType
 
 import uvicorn
 
 from vramguard.gateway.app import broken_task, create_app, fail_waiting, shut_down
+from vramguard.gateway.collector import settle_after_startup
 from vramguard.gateway.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
@@ -70,6 +72,10 @@ class DrainingServer(uvicorn.Server):
         if self._drain_requested or sig != signal.SIGTERM:
             super().handle_exit(sig, frame)
         self._drain_requested = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        settle_after_startup()  # the app and its connections are up: what lives now, lives on
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain is None and broken_task(self._app) is not None:  # type: ignore[arg-type]

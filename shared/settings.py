@@ -98,7 +98,8 @@ class Settings(BaseSettings):
     # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (README "Run on Kubernetes").
     max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
     access_log: bool = False
-    # The gateway's event loop (uvicorn's `loop`): uvloop when installed ("auto"), or asyncio's own.
+    # The event loop of the gateway (uvicorn's `loop`) and of the worker (shared/eventloop.py):
+    # uvloop when installed ("auto"), or asyncio's own.
     event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     # Several gateway processes on one port (`make up GATEWAYS=N`): each binds with SO_REUSEPORT and
     # the kernel spreads connections over them; each keeps its own reply stream.

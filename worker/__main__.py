@@ -14,6 +14,7 @@ import logging
 import os
 import sys
 
+from vramguard.shared import eventloop
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
 from vramguard.shared.tracing import TracingError, configure_tracing
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             await report_start_failure(settings, code, worker.start_error or f"{code.name}; see the worker's log")
         return code
 
-    code = asyncio.run(_main())
+    code = eventloop.run(_main(), settings.event_loop)
     if code == ExitCode.CUDA_CONTEXT_LOST:
         # Leave at once: no atexit hooks or thread joins that could touch a broken CUDA context
         # (the process exit is what frees its device memory).
