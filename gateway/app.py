@@ -115,7 +115,7 @@ def create_app(settings: Settings) -> GatewayApp:
             await clock.stop()
             await blocking.aclose()
             await redis.aclose()
-            json_counter.stop()
+            await json_counter.aclose()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 
     app = GatewayApp(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)

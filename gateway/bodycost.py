@@ -84,9 +84,20 @@ class JsonCounter:
         self._pool.submit(count_json_values, b"[]")
 
     def stop(self) -> None:
+        """Stop the helper process without waiting for it (a broken pool: the next body starts another)."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
+
+    async def aclose(self) -> None:
+        """Stop the helper process and wait, in a thread, until the pool's manager thread has ended;
+        at the gateway's shutdown. Left running past shutdown(wait=False), that thread closes its
+        wake-up pipe while the interpreter's exit hook (concurrent.futures.process._python_exit)
+        may still write to it: on CPython 3.11 an unlocked check, so now and then the exit logged
+        "OSError: [Errno 9] Bad file descriptor" (CPython gh-125451 put that pipe under a lock)."""
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
     async def check(self, body: bytes, where: str = "body") -> None:
         """Raise PayloadTooLargeError (413) when the JSON `body` holds more than `max_values` values;

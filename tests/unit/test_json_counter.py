@@ -1,0 +1,29 @@
+"""gateway/bodycost.py's JsonCounter with its real helper process: a large body is counted there,
+and closing it at shutdown leaves no thread of its pool behind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from vramguard.gateway.bodycost import INLINE_BYTES, JsonCounter
+from vramguard.shared.errors import PayloadTooLargeError
+
+
+def pool_manager_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if type(t).__name__ == "_ExecutorManagerThread"}
+
+
+async def test_aclose_returns_once_the_pools_manager_thread_has_ended() -> None:
+    """A manager thread still running at interpreter exit races concurrent.futures' exit hook
+    for its wake-up pipe (an occasional "Bad file descriptor" at the gateway's exit)."""
+    before = pool_manager_threads()
+    counter = JsonCounter(max_values=100)
+    counter.start()
+    body = b"[" + b"1," * (INLINE_BYTES // 2) + b"1]"  # over INLINE_BYTES: counted in the helper
+    with pytest.raises(PayloadTooLargeError, match="more than the 100"):
+        await counter.check(body)
+    assert pool_manager_threads() - before  # the pool is up, with its manager thread
+    await counter.aclose()
+    assert not pool_manager_threads() - before
