@@ -6,14 +6,16 @@ and a full pass, over every tracked object, after enough of those (the `gc` modu
 "thresholds"). A gateway at concurrency 64 holds a few thousand containers in its requests in
 flight, so passes came every ~20 requests, found those alive, promoted them, and let them
 die in the oldest generation, which then had a full pass every ~2,300 requests, each traversing
-everything the imports and the app had made (FastAPI, pydantic, redis-py, OpenTelemetry): 44 ms
+everything the imports and the app had made (FastAPI, pydantic, redis-py, OpenTelemetry): 32-44 ms
 apiece. Measured with gc.callbacks at concurrency 64 with instant workers: 10% of the gateway's
 CPU (0.66 of 6.6 s), the full passes 0.41 s of it.
 
-The serving path frees what it makes by reference counting: over 7,000 malformed requests of
-seven kinds (invalid JSON, bad schemas, unknown models, wrong media types, KServe and OpenAI
-errors), every pass together found 188 unreachable objects, 75 of them at startup; after that run the gateway's resident
-set was 117 MiB with the settings below and 168 MiB with the defaults. So:
+The serving path frees what it makes by reference counting: over 7,000 malformed requests of seven
+kinds (invalid JSON, bad schemas, unknown models, wrong media types, KServe and OpenAI errors) and
+1,000 clients that left while their requests waited, CPython's default passes together found 188
+unreachable objects, 75 of them at startup; with the settings below, the one pass that came found
+39. The gateway's resident set after those runs: 117-169 MiB with the settings below, 102-168 MiB
+with CPython's defaults (two runs each: the allocator's, not the collector's, spread). So:
 
 - gc.freeze(): what is alive when startup ends moves to the permanent generation, which no pass
   traverses (the `gc` docs give "to speed up collection" as one of its uses).
