@@ -12,12 +12,13 @@ import asyncio
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
 
 from vramguard.gateway.app import broken_task, create_app, fail_waiting, shut_down
-from vramguard.gateway.collector import settle_after_startup
+from vramguard.gateway.collector import tune_for_serving
 from vramguard.gateway.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         **uvicorn_options(settings),  # type: ignore[arg-type]
     )
     listener = shared_port_socket(settings) if settings.reuse_port else None
-    DrainingServer(config, app).run(sockets=[listener] if listener is not None else None)
+    DrainingServer(config, app, on_started=tune_for_serving).run(sockets=[listener] if listener is not None else None)
     # A gateway whose long-lived task ended exits non-zero, so supervisor and Kubernetes restart it.
     return 1 if broken_task(app) is not None else 0
 
@@ -62,8 +63,10 @@ class DrainingServer(uvicorn.Server):
     (uvicorn's behaviour). A long-lived task that ended (app.broken_task) fails the waiting
     requests and exits at once."""
 
-    def __init__(self, config: uvicorn.Config, app: object) -> None:
+    def __init__(self, config: uvicorn.Config, app: object, *, on_started: Callable[[], None] | None = None) -> None:
+        """`on_started`: called once uvicorn's startup (the app's lifespan included) is done."""
         super().__init__(config)
+        self._on_started = on_started
         self._app = app
         self._drain: asyncio.Task[None] | None = None
         self._drain_requested = False
@@ -75,7 +78,8 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        settle_after_startup()  # the app and its connections are up: what lives now, lives on
+        if self._on_started is not None:
+            self._on_started()
 
     async def on_tick(self, counter: int) -> bool:
         if self._drain is None and broken_task(self._app) is not None:  # type: ignore[arg-type]

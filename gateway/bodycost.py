@@ -90,14 +90,21 @@ class JsonCounter:
             self._pool = None
 
     async def aclose(self) -> None:
-        """Stop the helper process and wait, in a thread, until the pool's manager thread has ended;
-        at the gateway's shutdown. Left running past shutdown(wait=False), that thread closes its
-        wake-up pipe while the interpreter's exit hook (concurrent.futures.process._python_exit)
-        may still write to it: on CPython 3.11 an unlocked check, so now and then the exit logged
-        "OSError: [Errno 9] Bad file descriptor" (CPython gh-125451 put that pipe under a lock)."""
-        if self._pool is not None:
-            pool, self._pool = self._pool, None
-            await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
+        """Stop the helper process at the gateway's shutdown: kill it (a count under way is of no
+        use to anyone now, and an 8 MiB body takes seconds), then wait, in a thread, until the
+        pool's manager thread has seen it die and ended. Left running past shutdown(wait=False),
+        that thread closes its wake-up pipe while the interpreter's exit hook
+        (concurrent.futures.process._python_exit) may still write to it: on CPython 3.11 an
+        unlocked check, so now and then the exit logged "OSError: [Errno 9] Bad file descriptor"
+        (CPython gh-125451 put the pipe under a lock in 3.12)."""
+        if self._pool is None:
+            return
+        pool, self._pool = self._pool, None
+        # The pool's own processes: ProcessPoolExecutor has no public way to stop a busy worker
+        # before Python 3.14's kill_workers().
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.kill()
+        await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
     async def check(self, body: bytes, where: str = "body") -> None:
         """Raise PayloadTooLargeError (413) when the JSON `body` holds more than `max_values` values;

@@ -32,6 +32,8 @@ def loop_factory(choice: EventLoopChoice) -> Callable[[], asyncio.AbstractEventL
 
 
 def run(main: Coroutine[Any, Any, T], choice: EventLoopChoice = "auto") -> T:
-    """`asyncio.run(main)` on the loop `choice` names (loop_factory)."""
+    """Run `main` to its end on a new loop of the kind `choice` names (loop_factory) and close the
+    loop, as asyncio.run does, except that the loop is not set as the thread's current one
+    (asyncio.Runner with a loop_factory does not): code must use get_running_loop()."""
     with asyncio.Runner(loop_factory=loop_factory(choice)) as runner:
         return runner.run(main)

@@ -18,6 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import AliasChoices, Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from vramguard.shared.eventloop import EventLoopChoice
 from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelSpec, load_models_file
 
 ENV_PREFIX = "VRAMGUARD_"
@@ -100,7 +101,7 @@ class Settings(BaseSettings):
     access_log: bool = False
     # The event loop of the gateway (uvicorn's `loop`) and of the worker (shared/eventloop.py):
     # uvloop when installed ("auto"), or asyncio's own.
-    event_loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    event_loop: EventLoopChoice = "auto"
     # Several gateway processes on one port (`make up GATEWAYS=N`): each binds with SO_REUSEPORT and
     # the kernel spreads connections over them; each keeps its own reply stream.
     reuse_port: bool = False

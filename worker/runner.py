@@ -205,7 +205,7 @@ class Worker:
         log.info("worker ready", extra={"worker_id": self.worker_id, "model": self.settings.model,
                                         "device": self.backend.device,
                                         "full_batch_forward_timeout_s": self.hang.limit_s,
-                                        "event_loop": type(asyncio.get_running_loop()).__module__,
+                                        "event_loop_module": type(asyncio.get_running_loop()).__module__,
                                         "settings": self.settings.masked()})
         try:
             if self.generation is not None:

@@ -3,12 +3,13 @@ and closing it at shutdown leaves no thread of its pool behind."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 import pytest
 
 from vramguard.gateway.bodycost import INLINE_BYTES, JsonCounter
-from vramguard.shared.errors import PayloadTooLargeError
+from vramguard.shared.errors import PayloadTooLargeError, UnavailableError
 
 
 def pool_manager_threads() -> set[threading.Thread]:
@@ -27,3 +28,16 @@ async def test_aclose_returns_once_the_pools_manager_thread_has_ended() -> None:
     assert pool_manager_threads() - before  # the pool is up, with its manager thread
     await counter.aclose()
     assert not pool_manager_threads() - before
+
+
+async def test_aclose_abandons_a_count_instead_of_waiting_for_it() -> None:
+    """Shutdown must not wait seconds for a count nobody will read: the helper is killed, and the
+    request whose body was queued for it or being counted gets an error, never the count's verdict."""
+    counter = JsonCounter(max_values=100)
+    counter.start()
+    huge = b"[" + b"[]," * (8 * 2**20 // 3) + b"[]]"  # 8 MiB, 2.8 million values: seconds to count
+    counting = asyncio.create_task(counter.check(huge))
+    await asyncio.sleep(0.1)  # the body is handed to the pool
+    await counter.aclose()
+    with pytest.raises((UnavailableError, asyncio.CancelledError)):
+        await counting
