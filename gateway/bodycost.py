@@ -102,7 +102,7 @@ class JsonCounter:
         pool, self._pool = self._pool, None
         # The pool's own processes: ProcessPoolExecutor has no public way to stop a busy worker
         # before Python 3.14's kill_workers().
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
+        for process in list((pool._processes or {}).values()):  # a copy: the manager thread edits it
             process.kill()
         await asyncio.to_thread(pool.shutdown, wait=True, cancel_futures=True)
 
