@@ -142,10 +142,11 @@ class BatchServer:
         # Decoding and costing in one thread hop: each hop is a thread wake-up, paid once per batch.
         outgoing, dead, live, costs = await self._threads.run(self._triage_and_cost, [h.entry for h in fresh],
                                                               batch_start_ms)
-        outgoing.extend(self._refuse_too_large(live, costs))
         for (entry, items), entry_costs in zip(live, costs, strict=True):
             if self._fits_alone(entry_costs):
                 self._parts[entry.entry_id].set_result(_Parts(items, entry_costs, batch_start_ms))
+            else:
+                outgoing.append(self._too_large(entry, entry_costs))
         answered = [h for h in fresh if not self._parts[h.entry.entry_id].done()]
         for held in answered:
             held.closed = True
@@ -207,18 +208,16 @@ class BatchServer:
         return [part.entry_id for part, _parts in members]
 
     def _fits_alone(self, entry_costs: list[int]) -> bool:
-        return self.budget is None or all(self.budget.fits_alone(c) for c in entry_costs)
+        """Whether each item of an entry fits the memory budget alone (fits_alone is a bound on
+        one item's cost, so its largest decides)."""
+        return self.budget is None or self.budget.fits_alone(max(entry_costs, default=0))
 
-    def _refuse_too_large(self, live: list[tuple[Entry, list[object]]], costs: list[list[int]]) -> list[Outgoing]:
+    def _too_large(self, entry: Entry, entry_costs: list[int]) -> Outgoing:
         """413 input_too_large at once for an entry with an item that cannot fit the budget even alone."""
-        out = []
-        for (entry, _items), entry_costs in zip(live, costs, strict=True):
-            if not self._fits_alone(entry_costs):
-                assert self.budget is not None
-                message = (f"an input costs {max(entry_costs)} (tokens or items); the memory budget allows "
-                           f"{self.budget.plan.max_batch_cost} per forward")
-                out.append(self._failure(entry, InputTooLargeError.code, message))
-        return out
+        assert self.budget is not None
+        message = (f"an input costs {max(entry_costs)} (tokens or items); the memory budget allows "
+                   f"{self.budget.plan.max_batch_cost} per forward")
+        return self._failure(entry, InputTooLargeError.code, message)
 
     async def _serve_group(self, redis: aioredis.Redis, group: list[_Member], batch_start_ms: int) -> bool:
         """Run one cost group, then publish the replies of the entries it completed. False when
