@@ -133,7 +133,8 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
 _OPENAI_TERMS = (
     (re.compile(r"\bparameters\.truncate=true\b"), '"truncate": true in the body'),
     (re.compile(r"\bopt into truncation\b"), 'set "truncate": true in the body'),
-    (re.compile(r"\binputs\b"), "input"),
+    # The field, not a count's noun: "300 inputs in one request" stays plural.
+    (re.compile(r"(?<!\d )\binputs\b"), "input"),
 )
 
 

@@ -65,6 +65,12 @@ async def test_openai_embeddings_errors_say_what_is_wrong(gateway: httpx.AsyncCl
         assert str(error["message"]).startswith("input: ") and says in str(error["message"]), (given, error)
 
 
+async def test_openai_input_count_error_names_the_field_and_keeps_the_count_plural(gateway: httpx.AsyncClient) -> None:
+    response = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": ["a"] * 300})
+    error = error_of(response, 413, "payload_too_large")
+    assert str(error["message"]).startswith("300 inputs in one request;"), error
+
+
 async def test_timeout_header_is_ascii_digits_and_checked_even_when_the_body_has_one(
     gateway: httpx.AsyncClient,
 ) -> None:
