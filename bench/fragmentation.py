@@ -3,7 +3,7 @@ MiniLM-shaped encoder (6 layers, hidden 384, 12 heads, FFN 1536, fp32; weights i
 a checkpoint loads them) planned and served inside a memory share of 0.25 of a 512 MiB simulated
 GPU, fed batches of random size from bench/corpus.txt (a few words to a paragraph), with and
 without expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, modelled in
-worker/simalloc.py). It reports the allocator cap, the highest reserved memory, the highest
+worker/memory/simalloc.py). It reports the allocator cap, the highest reserved memory, the highest
 allocated, what the allocator held beyond the allocated peak (fragmentation and cache), and OOM
 events.
 
@@ -23,10 +23,10 @@ from contextlib import contextmanager
 from bench.corpus import CORPUS_PATH
 from vramguard.shared.models import ModelConfig, ModelOverrides
 from vramguard.shared.settings import Settings
-from vramguard.worker.execute import run_batch
-from vramguard.worker.memory import start_budget
+from vramguard.worker.batch.execute import run_batch
+from vramguard.worker.memory.budget import start_budget
+from vramguard.worker.memory.simdevice import Block, SimDevice
 from vramguard.worker.models.synthetic import SyntheticBackend
-from vramguard.worker.simdevice import Block, SimDevice
 
 MIB = 1024 * 1024
 FP32 = 4

@@ -4,7 +4,7 @@ then KV plan) on a small simulated GPU, and its engine runs continuous batching 
 GenerationServer does (a sequence joins while the KV plan admits it) over random workloads:
 prompts of 1-60 tokens with 1-300 new tokens, arriving in bursts of 0-20 between steps. Every
 decode step re-makes each layer's cache tensor one column wider, as torch.cat does in a
-DynamicCache, so the allocator's segments fill with holes (worker/simalloc.py).
+DynamicCache, so the allocator's segments fill with holes (worker/memory/simalloc.py).
 
 It reports, per shape (device MiB, KV KiB per token, layers), the tokens the plan holds, the
 fragmentation allowance it set aside, and how many workloads ran out of memory: with the
@@ -32,7 +32,7 @@ from vramguard.worker.generate.kvplan import KVPlan, plan_kv
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.generate.synthetic_lm import SyntheticLMBackend
-from vramguard.worker.memory import start_budget
+from vramguard.worker.memory.budget import start_budget
 
 MIB = 1024 * 1024
 MAX_RUNNING = 64

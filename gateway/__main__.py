@@ -19,7 +19,7 @@ import uvicorn
 
 from vramguard.gateway.app import broken_task, create_app, fail_waiting, shut_down
 from vramguard.gateway.collector import tune_for_serving
-from vramguard.gateway.server import shared_port_socket, uvicorn_options
+from vramguard.gateway.edge.server import shared_port_socket, uvicorn_options
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
 from vramguard.shared.tracing import TracingError, configure_tracing

@@ -22,19 +22,19 @@ from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Route
 
-from vramguard.gateway import chat, kserve, openai_compat
-from vramguard.gateway.bodybudget import BodyBudget, HoldBodies
-from vramguard.gateway.bodycost import JsonCounter
-from vramguard.gateway.dispatch import Dispatcher
-from vramguard.gateway.edge import ClientGoneError
-from vramguard.gateway.health import Health
-from vramguard.gateway.metrics import GatewayMetrics
-from vramguard.gateway.native import GatewayApp
-from vramguard.gateway.observe import router as observe_router
-from vramguard.gateway.openapi import install_schemas
-from vramguard.gateway.prompt_tokens import PromptTokens
-from vramguard.gateway.queues import ensure_groups
-from vramguard.gateway.replies import ReplyListener
+from vramguard.gateway.admission.dispatch import Dispatcher
+from vramguard.gateway.admission.replies import ReplyListener
+from vramguard.gateway.edge.bodybudget import BodyBudget, HoldBodies
+from vramguard.gateway.edge.bodycost import JsonCounter
+from vramguard.gateway.edge.checks import ClientGoneError
+from vramguard.gateway.observe.health import Health
+from vramguard.gateway.observe.metrics import GatewayMetrics
+from vramguard.gateway.observe.queues import ensure_groups
+from vramguard.gateway.observe.routes import router as observe_router
+from vramguard.gateway.protocols import chat, kserve, openai_compat
+from vramguard.gateway.protocols.native import GatewayApp
+from vramguard.gateway.protocols.openapi import install_schemas
+from vramguard.gateway.protocols.prompt_tokens import PromptTokens
 from vramguard.gateway.routes import (
     INFER_PATH,
     assign_request_id,
@@ -121,7 +121,7 @@ def create_app(settings: Settings) -> GatewayApp:
     app = GatewayApp(title="vramguard", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.body_budget = BodyBudget(settings.max_inflight_body_bytes)
     app.add_middleware(HoldBodies, budget=app.body_budget)
-    # GatewayApp serves the native inference route ahead of the middleware stack (gateway/native.py);
+    # GatewayApp serves the native inference route ahead of the middleware stack (gateway/protocols/native.py);
     # this plain Starlette route of it (routes.infer_endpoint says why) answers only what reaches the
     # stack, and the FastAPI route of the same path, behind it, describes it in the OpenAPI schema.
     app.router.routes.append(Route(INFER_PATH, infer_endpoint, methods=["POST"]))
@@ -268,7 +268,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         allowed = headers.get("Allow", "").split(", ")
         if "GET" in allowed and "HEAD" not in allowed:
-            headers["Allow"] = ", ".join([*allowed, "HEAD"])  # served for every GET route (gateway/native.py)
+            headers["Allow"] = ", ".join([*allowed, "HEAD"])  # served for every GET route (gateway/protocols/native.py)
         return render_error(request, exc.status_code, _http_code(exc.status_code), message, headers,
                             unrouted=True)
 

@@ -11,12 +11,12 @@ from typing import cast
 from fastapi import Request
 from pydantic import JsonValue
 
-from vramguard.gateway.bodycost import JsonCounter
-from vramguard.gateway.disconnect import unless_disconnected
-from vramguard.gateway.dispatch import Dispatcher
-from vramguard.gateway.edge import ClientGoneError, check_parameters
-from vramguard.gateway.metrics import RequestRecord
-from vramguard.gateway.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
+from vramguard.gateway.admission.dispatch import Dispatcher
+from vramguard.gateway.edge.bodycost import JsonCounter
+from vramguard.gateway.edge.checks import ClientGoneError, check_parameters
+from vramguard.gateway.edge.disconnect import unless_disconnected
+from vramguard.gateway.observe.metrics import RequestRecord
+from vramguard.gateway.protocols.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
 from vramguard.shared.errors import InvalidInputError
 from vramguard.shared.models import InputKind, ModelSpec
 from vramguard.shared.protocol import ReplyMessage, RequestId, new_request_id
@@ -34,7 +34,7 @@ def settings_of(request: Request) -> Settings:
 
 async def check_json_cost(request: Request, body: bytes) -> None:
     """PayloadTooLargeError (413) for a JSON body of more values than the event loop may parse
-    (gateway/bodycost.py); counted off the loop."""
+    (gateway/edge/bodycost.py); counted off the loop."""
     counter: JsonCounter = request.app.state.json_counter
     await counter.check(body)
 
@@ -56,7 +56,7 @@ def request_id_of(request: Request) -> RequestId:
 @contextmanager
 def inference_request(request: Request, model: str) -> Iterator[RequestRecord]:
     """Check the model is served, and count, time and log the request under its outcome and its
-    id (`request_id_of`; gateway/metrics.py), under the request's trace span when tracing is on
+    id (`request_id_of`; gateway/observe/metrics.py), under the request's trace span when tracing is on
     (shared/tracing.py: continuing the client's `traceparent`)."""
     request_id = request_id_of(request)
     dispatcher_of(request).check_model(model)
@@ -101,7 +101,7 @@ async def submit(
         _, reply = await unless_disconnected(
             request, dispatcher.submit(model, list(prepared), dict(parameters), timeout_ms, request_id=request_id))
     except ClientGoneError:
-        # Its worker acks it without computing it if its batch has not run yet (worker/serve.py).
+        # Its worker acks it without computing it if its batch has not run yet (worker/batch/serve.py).
         await dispatcher.close_stream(model, request_id, cancel=True)
         raise
     record.reply = reply

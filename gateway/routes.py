@@ -12,8 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import JsonValue
 from starlette.datastructures import Headers
 
-from vramguard.gateway.edge import JSON, header_timeout, read_body, require_media_type
-from vramguard.gateway.health import Health
+from vramguard.gateway.edge.checks import JSON, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import (
     check_json_cost,
     dispatcher_of,
@@ -22,9 +21,10 @@ from vramguard.gateway.inference import (
     settings_of,
     submit,
 )
-from vramguard.gateway.openapi import NATIVE_ERRORS, error_responses, request_body
-from vramguard.gateway.render import FastJSONResponse
-from vramguard.gateway.schemas import (
+from vramguard.gateway.observe.health import Health
+from vramguard.gateway.protocols.openapi import NATIVE_ERRORS, error_responses, request_body
+from vramguard.gateway.protocols.render import FastJSONResponse
+from vramguard.gateway.protocols.schemas import (
     InferRequest,
     InferResponse,
     ModelInfo,
@@ -126,7 +126,7 @@ async def _infer(model: str, request: Request, x_request_timeout_ms: str | None)
             parsed = parse_infer_request(body)
             reply = await submit(request, record, list(parsed.inputs), dict(parsed.parameters),
                                  parsed.timeout_ms or header_ms)
-    # InferResponse's shape, written from the reply's arrays directly (gateway/render.py).
+    # InferResponse's shape, written from the reply's arrays directly (gateway/protocols/render.py).
     return FastJSONResponse({"model": model, "request_id": str(record.request_id), "outputs": reply.outputs or []})
 
 
@@ -143,7 +143,7 @@ async def get_model(model: str, request: Request) -> ModelInfo:
     return _model_info(request, model)
 
 
-@health_router.get("/health/live")  # and HEAD, as every GET route (gateway/native.py)
+@health_router.get("/health/live")  # and HEAD, as every GET route (gateway/protocols/native.py)
 async def live() -> dict[str, str]:
     """Liveness: the gateway process answers."""
     return {"status": "live"}
@@ -151,7 +151,7 @@ async def live() -> dict[str, str]:
 
 @health_router.get("/health/ready")
 async def ready(request: Request) -> JSONResponse:
-    """Readiness: this gateway can serve (gateway/health.py: Redis answers, its tasks run, a served
+    """Readiness: this gateway can serve (gateway/observe/health.py: Redis answers, its tasks run, a served
     model has a live worker); else 503 with the reasons. Redis' own error text only with the API key."""
     ok, details = _health(request).readiness(detail=has_api_key(request))
     return JSONResponse(details, status_code=200 if ok else 503)

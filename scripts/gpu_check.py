@@ -70,8 +70,8 @@ class ResNet50Backend:
 def profile_resnet(total_bytes: int | None, cap: int) -> dict[str, object]:
     from vramguard.shared.models import ModelConfig
     from vramguard.shared.settings import Settings
-    from vramguard.worker.execute import run_batch
-    from vramguard.worker.memory import start_budget
+    from vramguard.worker.batch.execute import run_batch
+    from vramguard.worker.memory.budget import start_budget
 
     backend = ResNet50Backend()
     settings = Settings.from_env()  # the placement of this process: CUDA_VISIBLE_DEVICES, VRAMGUARD_MEMORY_SHARE
@@ -104,7 +104,7 @@ async def fire(url: str, model: str, n: int) -> tuple[dict[int, int], int]:
 
 def nvml_used_by_pid(gpu: str) -> dict[int, int]:
     """NVML's used memory per compute process on `gpu` (an index or a UUID), in bytes."""
-    from vramguard.worker.accounting import _nvml_processes
+    from vramguard.worker.memory.accounting import _nvml_processes
 
     return dict(_nvml_processes(gpu))
 
@@ -179,7 +179,7 @@ def main() -> None:
     check.add_argument("--sim-ledger", type=Path, help="read a simulated GPU's ledger instead of NVML")
     args = parser.parse_args()
     if args.command == "resnet":
-        from vramguard.worker.profile import render_table
+        from vramguard.worker.memory.profile import render_table
 
         result = profile_resnet(args.total_bytes, args.cap)
         print(render_table(result))

@@ -1,4 +1,4 @@
-"""The heartbeat schema: one typed record per worker, written by worker/heartbeat.py as a Redis
+"""The heartbeat schema: one typed record per worker, written by worker/health/heartbeat.py as a Redis
 hash and parsed by every reader (gateway health, metrics, model info, status page, bench).
 
 Redis hashes hold strings, so `WorkerBeat.to_hash` writes each field as text and
@@ -63,8 +63,9 @@ class WorkerBeat:
     probes: int = 0
     probe_failures: int = 0
     failed_batches_in_row: int = 0
-    batch_task_failures: int = 0  # batch tasks that raised; their requests got 500 internal (worker/batch_errors.py)
-    reclaimed: int = 0  # entries claimed from a dead worker (or this one's previous life), worker/reclaim.py
+    # batch tasks that raised; their requests got 500 internal (worker/batch/batch_errors.py)
+    batch_task_failures: int = 0
+    reclaimed: int = 0  # entries claimed from a dead worker (or this one's previous life), worker/batch/reclaim.py
     dead_lettered: int = 0  # entries this worker moved to the dead-letter stream after max_deliveries
     # --- throughput, last minute ---
     items_per_s: float = 0.0
@@ -85,7 +86,7 @@ class WorkerBeat:
     adaptive_batch_cap: int | None = None  # items per forward now, after OOMs (<= plan_batch_size)
     largest_forward: int = 0
     max_concurrent_forwards: int = 0  # most forwards that ran at once (max_inflight_batches > 1)
-    # --- the memory plan made at start (worker/memory.py) ---
+    # --- the memory plan made at start (worker/memory/budget.py) ---
     plan_context_bytes: int | None = None
     plan_weights_bytes: int | None = None
     plan_fixed_bytes: int | None = None

@@ -47,7 +47,7 @@ class Keys:
 
     def queued_requests(self, model: str) -> str:
         """Requests queued or in flight for `model`: raised by the admission script
-        (gateway/dispatch.py), lowered with each XDEL of its request stream (worker/publish.py)."""
+        (gateway/admission/dispatch.py), lowered with each XDEL of its request stream (worker/batch/publish.py)."""
         return f"{self.prefix}:queued:{{{model}}}"
 
     def heartbeat(self, worker_id: str) -> str:
@@ -60,7 +60,7 @@ class Keys:
         return f"{self.prefix}:workers:{{{model}}}"
 
     def admission(self, model: str, call_id: str) -> str:
-        """The record of one admission call (gateway/dispatch.py ADMISSION): its answer, kept for
+        """The record of one admission call (gateway/admission/dispatch.py ADMISSION): its answer, kept for
         a re-sent call to find; on the model's slot, as the call's request stream."""
         return f"{self.prefix}:adm:{{{model}}}:{call_id}"
 
@@ -69,7 +69,7 @@ class Keys:
 
     def suspect_runs(self, model: str, entry_id: str) -> str:
         """How often the request of `entry_id`, split from a pack whose worker died, has started
-        to run alone (worker/reclaim.py RUN_ALONE); on the model's slot."""
+        to run alone (worker/batch/reclaim.py RUN_ALONE); on the model's slot."""
         return f"{self.prefix}:runs:{{{model}}}:{entry_id}"
 
     def placement(self) -> str:

@@ -1,8 +1,8 @@
 """Metric names, labels, buckets and units, and the one place where the heartbeat's
 units (ms, percent) become Prometheus base units (seconds, ratios; bytes stay bytes).
 
-Workers report through their heartbeat hash (worker/heartbeat.py); the gateway turns each live
-worker's hash into series at scrape time (gateway/cluster_metrics.py), so a dead worker's series
+Workers report through their heartbeat hash (worker/health/heartbeat.py); the gateway turns each live
+worker's hash into series at scrape time (gateway/observe/cluster_metrics.py), so a dead worker's series
 disappear with its hash. Worker-side histograms travel as one JSON field, `histograms`, holding
 a `HistogramSnapshot` per histogram. No torch or FastAPI imports here.
 """

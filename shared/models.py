@@ -52,14 +52,14 @@ class ModelConfig(BaseModel):
         requests of 6.5 MB fill a 1 GB Redis). The models' bounds together must fit Redis' maxmemory.
     max_inflight_batches: forwards one worker may run at once (1 = strictly serial).
     max_inputs_per_request: inputs one request may carry; the gateway answers 413 past it, before enqueueing.
-    forward_timeout_s: a forward running longer means it hung (worker/hang.py); None derives it from
+    forward_timeout_s: a forward running longer means it hung (worker/health/hang.py); None derives it from
         the forward time measured at warmup.
     pad_factor: the padding a forward may carry: the entries of one read are split into several
         forwards (cheapest first) where one forward's padded cost (items x costliest item) would
-        pass `pad_factor` x its items' real cost (worker/costing.py). A large value (1000) splits
+        pass `pad_factor` x its items' real cost (worker/batch/costing.py). A large value (1000) splits
         only by max_batch_size and the memory budget.
     max_requests_per_entry: requests one stream entry may carry when a gateway's admission call
-        holds several for the model (a pack: one XADD for them, worker/entries.py), at most
+        holds several for the model (a pack: one XADD for them, worker/batch/entries.py), at most
         `max_batch_size` (`requests_per_entry`); None: a batch's worth; 1: an entry per request,
         so that the request stream's length counts requests (KEDA's streamLength trigger reads
         it: deploy/k8s sets 1). A generative model's requests always travel one per entry.
@@ -158,7 +158,7 @@ class OutputSpec(BaseModel):
         return self
 
 
-# The KServe v2 tensor datatypes the gateway reads and writes (gateway/kserve.py).
+# The KServe v2 tensor datatypes the gateway reads and writes (gateway/protocols/kserve.py).
 V2_DATATYPES = frozenset({"BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64",
                           "FP16", "FP32", "FP64", "BYTES"})
 

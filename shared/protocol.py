@@ -29,7 +29,7 @@ ENTRY_FIELD = b"m"
 REPLIES_FIELD = b"ms"
 # On a request stream the same name holds several requests: "m" is one message, "ms" several.
 REQUESTS_FIELD = REPLIES_FIELD
-# An entry split from a pack whose worker died (worker/reclaim.py) carries the pack's deliveries so
+# An entry split from a pack whose worker died (worker/batch/reclaim.py) carries the pack's deliveries so
 # far, so max_deliveries counts a request's deliveries, not its entry's.
 PRIOR_DELIVERIES_FIELD = b"d"
 

@@ -91,9 +91,9 @@ class Settings(BaseSettings):
     # --- HTTP ---
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     # JSON values (scalars, lists, objects) one request body may hold: parsing builds one Python object
-    # each on the event loop (gateway/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
+    # each on the event loop (gateway/edge/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
     max_json_values: int = Field(65_536, ge=1024)
-    # Request body bytes one gateway process holds at once (gateway/bodybudget.py), at least one
+    # Request body bytes one gateway process holds at once (gateway/edge/bodybudget.py), at least one
     # body at the cap. 96 MiB: a request holds about 4.6 x its body in memory (body, parsed inputs,
     # packed request: measured), so 442 MiB, plus the process (82 MiB) and its JSON counting
     # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (README "Run on Kubernetes").
@@ -107,7 +107,7 @@ class Settings(BaseSettings):
     reuse_port: bool = False
     # Gateway processes of one host that share their metrics (`make up` gateways): prometheus_client's
     # multiprocess mode. Each process keeps its series in mmap files in this directory and `/metrics`,
-    # from any of them, renders the sum (gateway/metrics.py). The library reads
+    # from any of them, renders the sum (gateway/observe/metrics.py). The library reads
     # PROMETHEUS_MULTIPROC_DIR itself when it is imported, before any Settings exist, so that
     # variable (not a VRAMGUARD_ one) is this setting: one name, read by both, cannot disagree.
     # deploy/supervisord.conf sets it for the gateway program only. Unset: the process's own registry.
@@ -116,7 +116,7 @@ class Settings(BaseSettings):
     )
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    # The HTTP server's limits against slow or hostile clients (gateway/server.py). Keep-alive:
+    # The HTTP server's limits against slow or hostile clients (gateway/edge/server.py). Keep-alive:
     # longer than the idle timeout of the pools and load balancers in front (ALB 60 s, nginx 60 s,
     # aiohttp 15 s, httpx 5 s), so the client side always closes an idle connection first and never
     # sends a request on one the gateway is closing.
@@ -139,11 +139,11 @@ class Settings(BaseSettings):
     probe_fault: Literal["none", "raise", "cuda_error"] = "none"
 
     # --- memory budget and placement ---
-    # The worker plans its batches from measured memory (worker/memory.py): its budget is its
+    # The worker plans its batches from measured memory (worker/memory/budget.py): its budget is its
     # share of the device, memory_share x total device memory, and
     # torch.cuda.set_per_process_memory_fraction caps its allocator, before the first byte, at that
     # share less its own memory outside the allocator (CUDA context, kernel modules). The shares
-    # of the workers on one device add up to at most the watermark (worker/ledger.py checks it
+    # of the workers on one device add up to at most the watermark (worker/memory/ledger.py checks it
     # on each host; vramguard/cli/placement.py before anything starts).
     watermark: float = Field(0.8, gt=0, le=1)  # fraction of the device's memory the workers on it may use
     workers_per_gpu: int = Field(1, ge=1, le=64)  # worker processes sharing one device (all models)
@@ -166,7 +166,7 @@ class Settings(BaseSettings):
     memory_planner: bool = True  # False: no measurement, no soft guard; trust max_batch_size (tests of the OOM path)
     adaptive_success_run: int = Field(16, ge=1)  # OOM-free batches before the adaptive cap grows by one item
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
-    # The simulated device's memory outside the allocator per process (worker/simdevice.py): the CUDA
+    # The simulated device's memory outside the allocator per process (worker/memory/simdevice.py): the CUDA
     # context from the start, kernel modules from the first forward (lazy loading).
     sim_context_bytes: int = Field(8 * 1024 * 1024, ge=0)
     sim_module_bytes: int = Field(4 * 1024 * 1024, ge=0)

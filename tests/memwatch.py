@@ -1,5 +1,5 @@
 """Watch a simulated GPU the way NVML shows a real one: a thread reads the device ledger
-(worker/ledger.py; written atomically, so it is read without its lock) every few milliseconds and
+(worker/memory/ledger.py; written atomically, so it is read without its lock) every few milliseconds and
 keeps the worst figures: device used memory (reserved + outside the allocator, all processes) and
 how far any process's reserved memory went above its allocator cap."""
 

@@ -72,7 +72,7 @@ class ModelBackend(Protocol):
 
     def sample_item(self, cost: int) -> object:
         """A decoded item of `cost` (1 <= cost <= max_item_cost), as `decode` would return it; the
-        memory planner (worker/memory.py) runs forwards on batches of these at start."""
+        memory planner (worker/memory/budget.py) runs forwards on batches of these at start."""
 
     def collate(self, items: Sequence[object]) -> object:
         """Items -> one batch ready for `forward` (tensors on `device`, first dimension len(items))."""

@@ -39,22 +39,22 @@ from vramguard.shared.redis_client import check_eviction_policy, connect, connec
 from vramguard.shared.settings import Settings
 from vramguard.shared.tasks import TaskWatch
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.batch_errors import answer_internal_error
-from vramguard.worker.batcher import Batcher, Slice
-from vramguard.worker.entries import PackLedger, stream_ids
-from vramguard.worker.execute import CudaContextLost, run_batch
+from vramguard.worker.batch.batch_errors import answer_internal_error
+from vramguard.worker.batch.batcher import Batcher, Slice
+from vramguard.worker.batch.entries import PackLedger, stream_ids
+from vramguard.worker.batch.execute import CudaContextLost, run_batch
+from vramguard.worker.batch.reclaim import Reclaimer, Suspect
+from vramguard.worker.batch.serve import BatchServer
 from vramguard.worker.generate.loop import GenerationLoop
-from vramguard.worker.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
-from vramguard.worker.heartbeat import Heartbeat, WorkerStats
-from vramguard.worker.ledger import PlacementError
-from vramguard.worker.memory import MemoryBudget, MemoryPlanError, start_budget
+from vramguard.worker.health.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
+from vramguard.worker.health.heartbeat import Heartbeat, WorkerStats
+from vramguard.worker.health.watchdog import Watchdog
+from vramguard.worker.memory.budget import MemoryBudget, MemoryPlanError, start_budget
+from vramguard.worker.memory.ledger import PlacementError
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads
-from vramguard.worker.reclaim import Reclaimer, Suspect
-from vramguard.worker.serve import BatchServer
 from vramguard.worker.tasks import LONG_LIVED, LoopRecovery
-from vramguard.worker.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class ExitCode(IntEnum):
     CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
     UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
     MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
-    FORWARD_HUNG = 8  # a forward or a decode ran past its timeout (worker/hang.py): batch left un-acked
+    FORWARD_HUNG = 8  # a forward or a decode ran past its timeout (worker/health/hang.py): batch left un-acked
     TASK_ENDED = 9  # a long-lived task ended, or Redis answered the batch loop unreadably many times (worker/tasks.py)
 
 
@@ -98,15 +98,15 @@ class Worker:
         self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
         self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
-        self._decode_s_per_item = 0.0  # decoding the example inputs, measured at warmup (worker/hang.py)
-        self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory.py)
+        self._decode_s_per_item = 0.0  # decoding the example inputs, measured at warmup (worker/health/hang.py)
+        self.budget: MemoryBudget | None = None  # measured in warm_up (worker/memory/budget.py)
         self.fatal: ExitCode | None = None  # set when the device context is lost
-        self.start_error: str | None = None  # why the start failed (worker/startfail.py reports it)
-        self.batch_task_failures = 0  # batch tasks that raised (worker/batch_errors.py)
+        self.start_error: str | None = None  # why the start failed (worker/health/startfail.py reports it)
+        self.batch_task_failures = 0  # batch tasks that raised (worker/batch/batch_errors.py)
         # Entries of batches being served (kept fresh by reclaim), counted: with concurrent
         # batches two slices of one large entry may be in flight at once.
         self._held: Counter[EntryId] = Counter()
-        self.ledger = PackLedger()  # packs read by the batcher, acked by the batch server (worker/entries.py)
+        self.ledger = PackLedger()  # packs read by the batcher, acked by the batch server (worker/batch/entries.py)
         self._batcher: Batcher | None = None
         self.reclaimer: Reclaimer | None = None
         self._server: BatchServer | None = None  # built after warmup, when the memory budget is known
@@ -126,7 +126,7 @@ class Worker:
 
     def handle_exit(self, sig: int) -> None:
         """First signal: drain. Second: force (uvicorn's two-step shutdown); at once while a
-        forward runs, since its thread cannot be interrupted (worker/hang.py)."""
+        forward runs, since its thread cannot be interrupted (worker/health/hang.py)."""
         if self.should_exit:
             self.force_exit = True
             if self.hang.forward_running:
@@ -248,7 +248,7 @@ class Worker:
                                                     "inflight_batches": plan.inflight_batches})
 
     def _set_timeouts(self) -> None:
-        """Each forward's and decode's timeout (worker/hang.py): configured, or scaled from a forward
+        """Each forward's and decode's timeout (worker/health/hang.py): configured, or scaled from a forward
         of full-window items measured now, after the memory plan: the longest items the budget runs,
         as many (up to 2) as fit one forward, so the measurement never meets out of memory."""
         configured, window = self.config.forward_timeout_s, self.backend.max_item_cost
@@ -267,7 +267,7 @@ class Worker:
     def _run_examples(self) -> None:
         """The warmup batch. Raises BackendContractError when the model fails its own example inputs
         or returns what it does not declare, UnavailableError when an engine it calls is down. Its
-        decode time feeds the derived decode timeout (worker/hang.py)."""
+        decode time feeds the derived decode timeout (worker/health/hang.py)."""
         model = self.settings.model
         started = monotonic_ms()
         try:
@@ -294,7 +294,7 @@ class Worker:
         )
         self._batcher = batcher
         # Concurrent forwards: the configured max_inflight_batches, or fewer when the memory plan
-        # holds fewer (worker/plan.py gives each of them its own room in the budget).
+        # holds fewer (worker/memory/plan.py gives each of them its own room in the budget).
         inflight = self.budget.plan.inflight_batches if self.budget is not None else self.config.max_inflight_batches
         slots = asyncio.Semaphore(min(self.config.max_inflight_batches, inflight))
         recovery, read = LoopRecovery(), 0
@@ -310,7 +310,7 @@ class Worker:
             if self.should_exit:  # signalled while waiting for a slot: read nothing more
                 slots.release()
                 break
-            if self.budget is not None:  # the adaptive cap (worker/memory.py) bounds what is read
+            if self.budget is not None:  # the adaptive cap (worker/memory/budget.py) bounds what is read
                 batcher.max_batch_size = min(self.config.max_batch_size, self.budget.max_batch_size)
             try:
                 entries = await batcher.read_batch()

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from vramguard.shared.tracing import ATTR_MODEL, ATTR_REQUEST_ID, remote_context, shared_ms_to_ns, tracer
-from vramguard.worker.entries import Entry
-from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.batch.entries import Entry
+from vramguard.worker.memory.budget import MemoryBudget
 
 Attributes = dict[str, str | int | float | bool]
 

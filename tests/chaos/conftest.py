@@ -22,7 +22,7 @@ from vramguard.cli.placement import WorkerGroup
 from vramguard.cli.programs import SHIPPED_CONF, write_programs
 
 # claim_idle_ms >= 3 x max(reclaim_interval_ms, heartbeat_interval_ms (200)) + max_wait_ms (5)
-# fault_injection: the workers record each execution (worker/execlog.py) for check_executions.
+# fault_injection: the workers record each execution (worker/batch/execlog.py) for check_executions.
 CHAOS_SETTINGS: dict[str, object] = {"served_models": "synthetic", "model": "synthetic",
                                      "claim_idle_ms": 1000, "reclaim_interval_ms": 200, "fault_injection": "true"}
 

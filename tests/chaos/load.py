@@ -3,7 +3,7 @@
 Every request sends a unique integer to the `synthetic` model (which echoes it), so an answer
 that is not the request's own shows up as foreign; a request that gets no HTTP answer within
 its deadline plus `slack_s` counts as lost. With fault injection on, the workers record every
-execution by request id (worker/execlog.py); `check_executions` turns that into the
+execution by request id (worker/batch/execlog.py); `check_executions` turns that into the
 delivery verdict: run at least once, and more than once only when a process died mid-batch.
 """
 
@@ -23,7 +23,7 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import REQUESTS_FIELD, split_requests
-from vramguard.worker.execlog import read_executions
+from vramguard.worker.batch.execlog import read_executions
 
 POOL_CONNECTIONS = 5
 # Below uvicorn's timeout_keep_alive (5 s): a client must drop an idle connection before the
@@ -201,7 +201,7 @@ def count_reclaimed_requests(log_dir: Path) -> int:
 
 
 async def held_requests(redis: aioredis.Redis, stream: str, consumer: str) -> int:
-    """Requests in the entries pending for `consumer`: a pack (worker/entries.py) counts each."""
+    """Requests in the entries pending for `consumer`: a pack (worker/batch/entries.py) counts each."""
     held = await redis.xpending_range(stream, GROUP, "-", "+", 1000, consumername=consumer)
     total = 0
     for pending in held:

@@ -29,7 +29,7 @@ from tests.chaos.load import Load, check_executions, record_figures
 from tests.ci import require_part
 from tests.helpers import ROOT, Stack, service_env, wait_until
 from vramguard.shared.keys import Keys
-from vramguard.worker.execlog import read_executions
+from vramguard.worker.batch.execlog import read_executions
 
 LOAD_S = 8
 SKEWS = ("+10s", "-10s")

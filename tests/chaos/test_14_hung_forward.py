@@ -25,7 +25,7 @@ from pathlib import Path
 from tests.chaos.load import Load, record_figures
 from tests.helpers import Stack, SupervisedWorker, service_env, wait_until
 from vramguard.shared.keys import Keys
-from vramguard.worker.execlog import read_executions
+from vramguard.worker.batch.execlog import read_executions
 
 
 async def test_a_hung_forward_exits_8_and_ends_in_the_dead_letter(chaos_stack: Stack, chaos_redis,

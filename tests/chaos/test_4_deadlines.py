@@ -22,10 +22,10 @@ import httpx
 from tests.chaos.load import Load, slowest_immediate_answer_s
 from tests.helpers import wait_until
 from vramguard.shared.keys import Keys
-from vramguard.worker.execlog import read_executions
+from vramguard.worker.batch.execlog import read_executions
 
 SHORT_MS = 400
-GATEWAY_504 = "no reply within"  # the gateway's own 504 message (gateway/dispatch.py)
+GATEWAY_504 = "no reply within"  # the gateway's own 504 message (gateway/admission/dispatch.py)
 
 
 

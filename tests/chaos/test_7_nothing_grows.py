@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 
 from tests.chaos.load import Load, check_executions
 from tests.helpers import wait_until
-from vramguard.gateway.dispatch import ADMISSION_RECORD_TTL_MS
+from vramguard.gateway.admission.dispatch import ADMISSION_RECORD_TTL_MS
 from vramguard.shared.keys import GROUP, Keys
 
 LOAD_S = 30

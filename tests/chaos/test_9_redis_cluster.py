@@ -98,7 +98,7 @@ async def test_cluster_worker_sigkill_mid_batch_loses_nothing(cluster, cluster_s
                                    "models__synthetic__max_batch_size": 8,
                                    "models__synthetic__params": '{"batch_ms": 150}'})
     cluster_stack.start_gateway()
-    workers = Supervisor(cluster_stack, 2, fault_injection="true")  # records each execution (worker/execlog.py)
+    workers = Supervisor(cluster_stack, 2, fault_injection="true")  # records each execution (worker/batch/execlog.py)
     await cluster_stack.wait_ready()
     await workers.wait_live(cluster_stack.url, 2)
     workers.start_watching()

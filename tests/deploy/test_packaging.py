@@ -63,7 +63,7 @@ def test_the_wheel_installs_one_top_level_package(vramguard_wheel: Path) -> None
     for folder in FOLDERS:  # the links of the checkout became real packages
         assert f"vramguard/{folder}/__init__.py" in names
     assert "vramguard/worker/models/synthetic.py" in names
-    assert "vramguard/gateway/status.html" in names
+    assert "vramguard/gateway/observe/status.html" in names
 
 
 def test_installs_beside_distributions_that_own_worker_shared_and_gateway(vramguard_wheel: Path,

@@ -7,7 +7,7 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.keys import GROUP
 from vramguard.shared.protocol import ENTRY_FIELD, RequestId, RequestMessage
-from vramguard.worker.batcher import MIN_HELD_ENTRIES, Batcher
+from vramguard.worker.batch.batcher import MIN_HELD_ENTRIES, Batcher
 
 
 async def enqueue(redis: aioredis.Redis, stream: str, n_inputs: int, tag: str) -> None:

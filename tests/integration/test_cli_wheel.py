@@ -89,7 +89,7 @@ def clean_env() -> dict[str, str]:
 @pytest.mark.timeout(300)  # builds the wheel and the virtualenv
 def test_the_wheel_carries_what_up_needs_and_nothing_of_the_tests(installed: Installed) -> None:
     names = zipfile.ZipFile(installed.wheel).namelist()
-    for needed in ("vramguard/cli/supervisord.conf", "vramguard/cli/up.py", "vramguard/gateway/status.html",
+    for needed in ("vramguard/cli/supervisord.conf", "vramguard/cli/up.py", "vramguard/gateway/observe/status.html",
                    "vramguard/worker/models/minilm.py", "vramguard/worker/models/efficientnet.py",
                    "vramguard/shared/models.py", "vramguard/gateway/__main__.py", "vramguard/worker/__main__.py"):
         assert needed in names, needed

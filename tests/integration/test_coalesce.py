@@ -1,4 +1,4 @@
-"""gateway/coalesce.py against a real redis-server: script calls made together share one
+"""gateway/admission/coalesce.py against a real redis-server: script calls made together share one
 pipelined round trip (those of one loop pass, and those made while a round trip is in flight),
 each gets its own result or error, a flushed script cache is reloaded, a failed round trip
 reaches every caller, a stalled one holds the others back only briefly, and a call nobody waits
@@ -16,8 +16,8 @@ from redis.exceptions import ReadOnlyError, ResponseError
 
 from tests.helpers import RedisServer, free_port
 from tests.proxy import LossyProxy
-from vramguard.gateway import coalesce
-from vramguard.gateway.coalesce import ScriptBatcher
+from vramguard.gateway.admission import coalesce
+from vramguard.gateway.admission.coalesce import ScriptBatcher
 from vramguard.shared.redis_client import connect
 
 ECHO_OR_FAIL = "if ARGV[1] == 'fail' then return redis.error_reply('refused') end return ARGV[1]"

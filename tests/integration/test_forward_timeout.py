@@ -1,5 +1,5 @@
 """Each forward on its own timeout, scaled from full-window forwards measured at warmup, and
-decoding under a timeout of its own (worker/hang.py), with real worker processes and Redis."""
+decoding under a timeout of its own (worker/health/hang.py), with real worker processes and Redis."""
 
 from __future__ import annotations
 

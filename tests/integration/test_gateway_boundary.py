@@ -134,7 +134,7 @@ async def test_head_on_health_for_load_balancers(gateway: httpx.AsyncClient) -> 
 async def test_every_error_of_an_inference_request_carries_its_request_id(
     settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="vramguard.gateway.metrics")
+    caplog.set_level(logging.INFO, logger="vramguard.gateway.observe.metrics")
     settings = settings_factory(models={"synthetic": {"max_inputs_per_request": 2}}, max_body_bytes=1024)
     async with gateway_with(settings) as gateway:
         cases = [
@@ -192,7 +192,7 @@ async def test_an_unexpected_error_is_a_500_that_says_it_closes_the_connection(
     protocol): a 500 `internal` with `Connection: close`, since the connection is closed after it;
     the request pipelined behind it is not answered on that connection, and was told so."""
     from vramguard.gateway.app import create_app
-    from vramguard.gateway.server import uvicorn_options
+    from vramguard.gateway.edge.server import uvicorn_options
 
     settings = settings_factory()
     app = create_app(settings)

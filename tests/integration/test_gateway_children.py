@@ -1,5 +1,5 @@
 """A gateway killed outright (SIGKILL, as the OOM killer or `docker kill` does) leaves no process
-of its own behind: its JSON counting helper (gateway/bodycost.py) and multiprocessing's resource
+of its own behind: its JSON counting helper (gateway/edge/bodycost.py) and multiprocessing's resource
 tracker end with it instead of living on, orphaned."""
 
 from __future__ import annotations

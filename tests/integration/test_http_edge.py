@@ -122,7 +122,7 @@ async def test_text_length_policy_at_the_gateway(gateway: httpx.AsyncClient) -> 
 async def test_error_bodies_carry_no_redis_address(
     settings_factory: Callable[..., Settings], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="vramguard.gateway.metrics")
+    caplog.set_level(logging.INFO, logger="vramguard.gateway.observe.metrics")
     server = RedisServer()
     server.start()
     port = server.port

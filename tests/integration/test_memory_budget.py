@@ -76,7 +76,7 @@ async def test_mixed_lengths_short_inputs_are_not_delayed_by_a_long_one(
 ) -> None:
     """1. A text-like model: 4 ms per padded token; a budget of 265 tokens per forward (the
     budget alone keeps the long text apart), or of 675 (8 x 64 padded tokens would fit: the
-    padding rule of worker/costing.py must keep it apart).
+    padding rule of worker/batch/costing.py must keep it apart).
     2. 7 short texts and 1 at the model's maximum (64 tokens) arrive in one batch window.
     Result: the short ones come back within about 2x a short text's own latency (they would wait
     for 8 x 64 padded tokens otherwise), and no forward went over the budget."""

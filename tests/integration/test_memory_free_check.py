@@ -1,4 +1,4 @@
-"""The free-memory check at a worker's start (worker/freemem.py): a GPU that another tenant
+"""The free-memory check at a worker's start (worker/memory/freemem.py): a GPU that another tenant
 already uses is not an empty GPU, whatever the ledger of shares says."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import ROOT
-from vramguard.worker.ledger import DeviceLedger
+from vramguard.worker.memory.ledger import DeviceLedger
 from vramguard.worker.models import create_backend
 from vramguard.worker.runner import ExitCode, Worker
 
@@ -21,8 +21,8 @@ SIM_BYTES = 512 * MIB
 TENANT = """
 import sys
 from pathlib import Path
-from vramguard.worker import simdevice
-from vramguard.worker.ledger import DeviceLedger
+from vramguard.worker.memory import simdevice
+from vramguard.worker.memory.ledger import DeviceLedger
 device = simdevice.configure(int(sys.argv[2]), DeviceLedger(Path(sys.argv[1]), "sim-0"))
 device.allocate(int(sys.argv[3]))
 print("ready", flush=True)
@@ -71,7 +71,7 @@ async def test_with_the_warning_setting_the_worker_plans_on_what_is_free(setting
     """1. The same tenant; the worker starts with memory_check=warn.
     Result: it starts, says so loudly, and plans on the 40 % that is free: its budget and its cap
     fit what the tenant left, and tenant + worker never pass the GPU's total."""
-    with caplog.at_level(logging.WARNING, logger="vramguard.worker.freemem"):
+    with caplog.at_level(logging.WARNING, logger="vramguard.worker.memory.freemem"):
         handle = await start_worker(device="sim", sim_memory_bytes=SIM_BYTES, cuda_visible_devices="0",
                                     device_ledger_dir=str(tmp_path / "ledger"), memory_check="warn")
     assert any("planning on what is free" in r.getMessage() for r in caplog.records)

@@ -1,4 +1,4 @@
-"""A worker's start under a memory budget, and `python -m vramguard.worker.profile` as a real process."""
+"""A worker's start under a memory budget, and `python -m vramguard.worker.memory.profile` as a real process."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ async def test_a_device_too_small_stops_the_worker_at_start(settings_factory, ca
 
 def run_profile(*args: str) -> subprocess.CompletedProcess[str]:
     env = service_env("redis://127.0.0.1:1/0")
-    return subprocess.run([sys.executable, "-m", "vramguard.worker.profile", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "vramguard.worker.memory.profile", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -120,7 +120,7 @@ MEMORY_FIELDS = {
 
 async def beat_like_a_worker(redis: aioredis.Redis, keys: Keys, worker_id: str, fields: dict[str, str],
                              ttl_ms: int) -> None:
-    """Write a heartbeat exactly as worker/heartbeat.py does: HSET + PEXPIRE + ZADD."""
+    """Write a heartbeat exactly as worker/health/heartbeat.py does: HSET + PEXPIRE + ZADD."""
     now_ms = int(time.time() * 1000)
     base = {"worker_id": worker_id, "model": "synthetic", "state": "ready", "healthy": "1", "device": "cpu",
             "pid": "1", "last_ok_ms": str(now_ms), "probe_interval_ms": "30000", "started_ms": str(now_ms)}

@@ -13,7 +13,7 @@ from tests.helpers import wait_until
 
 async def test_one_failing_input_fails_only_its_request(gateway, start_worker,
                                                         caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="vramguard.worker.serve")
+    caplog.set_level(logging.WARNING, logger="vramguard.worker.batch.serve")
     handle = await start_worker(model="synthetic", fault_injection=True,
                                 models={"synthetic": {"max_wait_ms": 200, "params": {"batch_ms": 50}}})
 

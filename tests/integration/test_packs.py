@@ -1,4 +1,4 @@
-"""Packs (several requests in one stream entry, worker/entries.py) served by an in-process worker on
+"""Packs (several requests in one stream entry, worker/batch/entries.py) served by an in-process worker on
 a real Redis: each request answered on its own, the entry acked and the queued-requests counter
 lowered with the last of them; a pack whose worker died split into entries of one request each,
 served alone; a pack past max_deliveries dead-lettered with an error to every caller."""
@@ -25,15 +25,15 @@ from vramguard.shared.protocol import (
     pack_requests,
 )
 from vramguard.shared.redis_client import connect
-from vramguard.worker.batch_errors import answer_internal_error
-from vramguard.worker.batcher import Batcher
-from vramguard.worker.publish import ACK, Outgoing, publish_replies
-from vramguard.worker.reclaim import RUN_ALONE, Reclaimer
+from vramguard.worker.batch.batch_errors import answer_internal_error
+from vramguard.worker.batch.batcher import Batcher
+from vramguard.worker.batch.publish import ACK, Outgoing, publish_replies
+from vramguard.worker.batch.reclaim import RUN_ALONE, Reclaimer
 
 
 async def enqueue_pack(redis: aioredis.Redis, keys: Keys, reply_to: str, tags: list[str]) -> str:
     """XADD one pack of one-input requests and raise the queued-requests counter, as the gateway's admission
-    script does for one call (gateway/dispatch.py ADMISSION)."""
+    script does for one call (gateway/admission/dispatch.py ADMISSION)."""
     packed = [RequestMessage(RequestId(tag), "synthetic", [i], reply_to, now_ms() + 60_000, now_ms()).encode()
               for i, tag in enumerate(tags)]
     entry_id = await redis.xadd(keys.request_stream("synthetic"), {REQUESTS_FIELD: pack_requests(packed)})

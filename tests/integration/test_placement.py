@@ -1,6 +1,6 @@
 """Placement on a simulated multi-GPU host: real `python -m vramguard.worker` processes pinned by
 CUDA_VISIBLE_DEVICES to simulated GPUs that they share through the device ledger
-(worker/ledger.py), so each sees its neighbours' memory and an over-committing allocation fails
+(worker/memory/ledger.py), so each sees its neighbours' memory and an over-committing allocation fails
 as it would on a real GPU."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.helpers import Stack, wait_until
-from vramguard.worker.ledger import DeviceLedger
+from vramguard.worker.memory.ledger import DeviceLedger
 
 MIB = 1024 * 1024
 SIM_BYTES = 512 * MIB
@@ -26,7 +26,7 @@ PARAMS = json.dumps({"batch_ms": 5, "item_ms": 0.2, "weights_mib": 64, "fixed_mi
 
 
 def expected_batch(share: float, inflight: int = 1) -> int:
-    """worker/plan.py's arithmetic for PARAMS, written out: floor((share x total - outside the
+    """worker/memory/plan.py's arithmetic for PARAMS, written out: floor((share x total - outside the
     allocator - weights) / K - fixed) / per_item), capped at synthetic's max_batch_size of 64. The
     simulated device's context (8 MiB) and kernel modules (4 MiB) are the memory outside the allocator."""
     per_forward_mib = (share * SIM_BYTES / MIB - 12 - 64) / inflight - 8

@@ -1,4 +1,4 @@
-"""worker/reclaim.py on a real Redis: stale entries of a dead consumer are claimed and answered,
+"""worker/batch/reclaim.py on a real Redis: stale entries of a dead consumer are claimed and answered,
 a slow live worker keeps its batch, suspects run alone, an entry past max_deliveries goes to the
 dead letter with an error reply, and consumers of dead workers are removed."""
 
@@ -12,7 +12,7 @@ from tests.helpers import wait_until
 from vramguard.shared.clock import now_ms
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import ENTRY_FIELD, ReplyMessage, RequestId, RequestMessage
-from vramguard.worker.reclaim import Reclaimer
+from vramguard.worker.batch.reclaim import Reclaimer
 
 RECLAIM = {"claim_idle_ms": 700, "reclaim_interval_ms": 100, "heartbeat_interval_ms": 200}
 

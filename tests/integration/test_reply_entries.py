@@ -61,7 +61,7 @@ async def test_the_gateway_answers_a_batch_from_one_entry_and_drops_an_undecodab
 
     await wait_until(live, 10)
     await redis_client.xadd(gateway.app.state.listener.stream, {REPLIES_FIELD: b"\xc1not msgpack"})
-    with caplog.at_level(logging.ERROR, logger="vramguard.gateway.replies"):
+    with caplog.at_level(logging.ERROR, logger="vramguard.gateway.admission.replies"):
         responses = await asyncio.gather(*(
             gateway.post("/v1/models/synthetic/infer", json={"inputs": [f"x{i}"]}) for i in range(8)))
     assert [r.status_code for r in responses] == [200] * 8

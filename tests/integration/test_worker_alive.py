@@ -1,4 +1,4 @@
-"""`python -m vramguard.worker.alive`, the worker's exec liveness probe on Kubernetes: alive while its own
+"""`python -m vramguard.worker.health.alive`, the worker's exec liveness probe on Kubernetes: alive while its own
 heartbeat is fresh, dead when it has none, and no verdict (alive) when Redis cannot be asked."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 
 from tests.helpers import ROOT, RedisServer, Stack, service_env, wait_until
 from vramguard.shared.keys import Keys
-from vramguard.worker.alive import check
+from vramguard.worker.health.alive import check
 
 
 async def test_alive_follows_the_workers_own_heartbeat(start_worker, settings_factory) -> None:
@@ -33,8 +33,8 @@ async def test_alive_follows_the_workers_own_heartbeat(start_worker, settings_fa
 def test_alive_as_a_command_exits_1_without_a_heartbeat(fast_settings) -> None:
     env = service_env(str(fast_settings["redis_url"]), key_prefix=fast_settings["key_prefix"],
                       worker_name="ghost")
-    done = subprocess.run([sys.executable, "-m", "vramguard.worker.alive"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "vramguard.worker.health.alive"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "no heartbeat for worker 'ghost'" in done.stdout
 
 

@@ -1,10 +1,10 @@
-"""gateway/native.py's AppState: app.state as Starlette's State, with values as plain attributes."""
+"""gateway/protocols/native.py's AppState: app.state as Starlette's State, with values as plain attributes."""
 
 from __future__ import annotations
 
 import pytest
 
-from vramguard.gateway.native import AppState, GatewayApp
+from vramguard.gateway.protocols.native import AppState, GatewayApp
 
 
 def test_the_gateway_app_reads_its_state_as_starlette_does() -> None:

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from vramguard.gateway.backpressure import MAX_RETRY_AFTER_S, MIN_RETRY_AFTER_S, ThroughputMeter, retry_after_s
+from vramguard.gateway.admission.backpressure import (
+    MAX_RETRY_AFTER_S,
+    MIN_RETRY_AFTER_S,
+    ThroughputMeter,
+    retry_after_s,
+)
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""The gateway's reading of a generated reply's chunks (gateway/chat.py): chunk numbers already
+"""The gateway's reading of a generated reply's chunks (gateway/protocols/chat.py): chunk numbers already
 forwarded are dropped, a client too far behind is cut, a worker's error ends the stream."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from vramguard.gateway.chat import ClientTooSlowError, _chunks
-from vramguard.gateway.replies import ReplyStream
+from vramguard.gateway.admission.replies import ReplyStream
+from vramguard.gateway.protocols.chat import ClientTooSlowError, _chunks
 from vramguard.shared.errors import DeadlineExceededError
 from vramguard.shared.protocol import ReplyMessage, RequestId
 

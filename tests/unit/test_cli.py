@@ -26,8 +26,8 @@ from vramguard.cli.backend import BackendError, describe_backend, import_backend
 from vramguard.cli.main import build_parser, main
 from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
 from vramguard.cli.readiness import report_failing
-from vramguard.gateway.health import Health
-from vramguard.gateway.observe import model_status, placed_workers
+from vramguard.gateway.observe.health import Health
+from vramguard.gateway.observe.routes import model_status, placed_workers
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys
 from vramguard.shared.models import load_models_file

@@ -1,11 +1,11 @@
-"""gateway/coarsetimers.py: callbacks run once, not before they are due and at most one
+"""gateway/edge/coarsetimers.py: callbacks run once, not before they are due and at most one
 resolution after, unless cancelled or replaced; the one timer stops when nothing is pending."""
 
 from __future__ import annotations
 
 import asyncio
 
-from vramguard.gateway.coarsetimers import CoarseTimers
+from vramguard.gateway.edge.coarsetimers import CoarseTimers
 
 RESOLUTION_S = 0.05
 

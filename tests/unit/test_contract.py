@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests.helpers import ROOT
-from vramguard.gateway.schemas import query_parameters, validate_inputs
+from vramguard.gateway.protocols.schemas import query_parameters, validate_inputs
 from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError
 from vramguard.shared.models import BUILTIN, ModelsFileError, ModelSpec, OutputSpec, load_models_file
 from vramguard.shared.protocol import RequestId, RequestMessage

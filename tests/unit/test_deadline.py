@@ -1,4 +1,4 @@
-"""gateway/deadline.py: the request's one timer, with asyncio.timeout's rules for telling its
+"""gateway/admission/deadline.py: the request's one timer, with asyncio.timeout's rules for telling its
 own cancellation from one that came from elsewhere."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from vramguard.gateway.deadline import Deadline
+from vramguard.gateway.admission.deadline import Deadline
 
 
 async def test_work_done_in_time_is_returned_and_the_timer_is_gone() -> None:
@@ -34,7 +34,7 @@ async def test_a_deadline_already_past_expires_at_the_next_await() -> None:
 
 
 async def test_a_cancel_from_elsewhere_stays_a_cancellation() -> None:
-    """The client's disconnect (gateway/disconnect.py) cancels the handler: not a 504."""
+    """The client's disconnect (gateway/edge/disconnect.py) cancels the handler: not a 504."""
     async def wait() -> None:
         with Deadline(30):
             await asyncio.sleep(30)

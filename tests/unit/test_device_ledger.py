@@ -1,5 +1,5 @@
-"""The per-device ledger (worker/ledger.py) and the simulated GPU shared through it
-(worker/simdevice.py). A neighbour is a real other process that holds its ledger entry (and its
+"""The per-device ledger (worker/memory/ledger.py) and the simulated GPU shared through it
+(worker/memory/simdevice.py). A neighbour is a real other process that holds its ledger entry (and its
 liveness lock) until the test kills it; "containers" are processes in PID namespaces of their own."""
 
 from __future__ import annotations
@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramguard.worker.ledger import DeviceLedger, LedgerCorruptError, PlacementError
-from vramguard.worker.simdevice import MIB, SimDevice
+from vramguard.worker.memory.ledger import DeviceLedger, LedgerCorruptError, PlacementError
+from vramguard.worker.memory.simdevice import MIB, SimDevice
 
 ROOT = Path(__file__).resolve().parents[2]
 NEIGHBOUR = """
 import json, sys
 from pathlib import Path
-from vramguard.worker.ledger import DeviceLedger
+from vramguard.worker.memory.ledger import DeviceLedger
 ledger = DeviceLedger(Path(sys.argv[1]), sys.argv[2])
 with ledger.update() as record:
     ledger.mine(record).update(json.loads(sys.argv[3]))
@@ -117,7 +117,7 @@ def test_a_writer_that_dies_mid_write_never_loses_the_other_entries(
     def broken(*args: object, **kwargs: object) -> str:
         raise OSError("killed mid-write")
 
-    monkeypatch.setattr("vramguard.worker.ledger.json.dumps", broken)
+    monkeypatch.setattr("vramguard.worker.memory.ledger.json.dumps", broken)
     with pytest.raises(OSError, match="killed mid-write"):
         ledger.register_share(0.2, watermark=0.8)
     monkeypatch.undo()
@@ -175,7 +175,7 @@ def test_concurrent_forwards_are_admitted_only_while_their_peaks_fit(tmp_path: P
     lets at most two run at once, and every one of them runs."""
     from vramguard.shared.models import ModelOverrides
     from vramguard.shared.settings import Settings
-    from vramguard.worker.memory import start_budget
+    from vramguard.worker.memory.budget import start_budget
     from vramguard.worker.models.synthetic import SyntheticBackend
 
     settings = Settings(model="synthetic", sim_memory_bytes=100 * MIB, watermark=1.0, sim_context_bytes=0,

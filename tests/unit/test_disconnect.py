@@ -1,4 +1,4 @@
-"""gateway/disconnect.py with a real Starlette Request whose client has gone: the handler's work
+"""gateway/edge/disconnect.py with a real Starlette Request whose client has gone: the handler's work
 is cancelled and the request ends as ClientGoneError, also when the work swallows the cancel (as
 Python 3.11's asyncio.wait_for can when its future completes at that moment), and the handler
 task is left with no cancel request counted against it."""
@@ -10,8 +10,8 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
-from vramguard.gateway.disconnect import WATCH_AFTER_S, unless_disconnected
-from vramguard.gateway.edge import ClientGoneError
+from vramguard.gateway.edge.checks import ClientGoneError
+from vramguard.gateway.edge.disconnect import WATCH_AFTER_S, unless_disconnected
 
 
 def gone_request() -> Request:

@@ -1,4 +1,4 @@
-"""worker/entries.py: a pack (several requests in one stream entry) read as one Entry per request,
+"""worker/batch/entries.py: a pack (several requests in one stream entry) read as one Entry per request,
 acked with its last request and counted in requests; shared/protocol.py's request list format."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from vramguard.shared.protocol import (
     pack_requests,
     split_requests,
 )
-from vramguard.worker.entries import PackLedger, decode_entry, stream_id_of, stream_ids
+from vramguard.worker.batch.entries import PackLedger, decode_entry, stream_id_of, stream_ids
 
 
 def request(tag: str) -> bytes:

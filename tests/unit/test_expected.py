@@ -1,8 +1,8 @@
-"""Whether a model's workers can be expected back (gateway/expected.py)."""
+"""Whether a model's workers can be expected back (gateway/admission/expected.py)."""
 
 from __future__ import annotations
 
-from vramguard.gateway.expected import ReturnWatch
+from vramguard.gateway.admission.expected import ReturnWatch
 
 
 def test_never_seen_is_not_expected() -> None:

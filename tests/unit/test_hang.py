@@ -1,10 +1,10 @@
-"""Forward and decode timeouts: configured, or scaled from what warmup measured (worker/hang.py)."""
+"""Forward and decode timeouts: configured, or scaled from what warmup measured (worker/health/hang.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vramguard.worker.hang import (
+from vramguard.worker.health.hang import (
     DECODE_TIMEOUT_MIN_S,
     FORWARD_TIMEOUT_FACTOR,
     FORWARD_TIMEOUT_MIN_S,

@@ -1,4 +1,4 @@
-"""gateway/bodycost.py's JsonCounter with its real helper process: a large body is counted there,
+"""gateway/edge/bodycost.py's JsonCounter with its real helper process: a large body is counted there,
 and closing it at shutdown leaves no thread of its pool behind."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from vramguard.gateway.bodycost import INLINE_BYTES, JsonCounter
+from vramguard.gateway.edge.bodycost import INLINE_BYTES, JsonCounter
 from vramguard.shared.errors import PayloadTooLargeError, UnavailableError
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vramguard.worker.memory import AdaptiveCap
-from vramguard.worker.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
-from vramguard.worker.simdevice import MIB, SimDevice
+from vramguard.worker.memory.budget import AdaptiveCap
+from vramguard.worker.memory.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
+from vramguard.worker.memory.simdevice import MIB, SimDevice
 
 
 def test_fit_recovers_a_linear_peak() -> None:

@@ -17,7 +17,7 @@ from tests.helpers import ROOT, free_port
 from vramguard.cli.main import build_parser
 from vramguard.cli.placement import ModelPlacement, plan
 from vramguard.cli.up import METRICS_DIR, build_env, fresh_metrics_dir
-from vramguard.gateway.metrics import forget_dead_processes, multiprocess_dir
+from vramguard.gateway.observe.metrics import forget_dead_processes, multiprocess_dir
 from vramguard.shared.settings import Settings
 
 

@@ -1,4 +1,4 @@
-"""gateway/native.py: which requests take the native route's lean path, and what that path does
+"""gateway/protocols/native.py: which requests take the native route's lean path, and what that path does
 when the handler fails in a way no route expects (a 500 in the native error shape, and the
 request's body hold given back). The expected errors (415, 413, 422, 429, 503, 504) go through
 the same handlers and are asserted over real HTTP in tests/integration/test_http_edge.py and
@@ -13,10 +13,10 @@ import pytest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from vramguard.gateway import native
 from vramguard.gateway.app import create_app
-from vramguard.gateway.bodybudget import STATE_KEY
-from vramguard.gateway.native import native_model
+from vramguard.gateway.edge.bodybudget import STATE_KEY
+from vramguard.gateway.protocols import native
+from vramguard.gateway.protocols.native import native_model
 from vramguard.shared.errors import InvalidInputError, VramguardError
 from vramguard.shared.settings import Settings
 

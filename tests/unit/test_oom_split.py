@@ -10,12 +10,12 @@ import pytest
 
 from vramguard.shared.models import ModelConfig, ModelOverrides
 from vramguard.shared.settings import Settings
-from vramguard.worker.accounting import SimAccounting
-from vramguard.worker.costing import group_by_cost
-from vramguard.worker.execute import CudaContextLost, chunk_by_cost, run_batch
-from vramguard.worker.memory import MemoryBudget, start_budget
+from vramguard.worker.batch.costing import group_by_cost
+from vramguard.worker.batch.execute import CudaContextLost, chunk_by_cost, run_batch
+from vramguard.worker.memory.accounting import SimAccounting
+from vramguard.worker.memory.budget import MemoryBudget, start_budget
+from vramguard.worker.memory.simdevice import MIB
 from vramguard.worker.models.synthetic import SyntheticBackend
-from vramguard.worker.simdevice import MIB
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The readiness rule of gateway/health.py applied to heartbeat fields (no Redis involved: the
+"""The readiness rule of gateway/observe/health.py applied to heartbeat fields (no Redis involved: the
 rule reads the cached view only): fresh heartbeat, state=ready, healthy, recent success."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from vramguard.gateway.health import Health, HealthView
+from vramguard.gateway.observe.health import Health, HealthView
 from vramguard.shared.clock import now_ms
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys

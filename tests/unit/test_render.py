@@ -1,4 +1,4 @@
-"""gateway/render.py: reply bodies written from numpy arrays read back as the same values."""
+"""gateway/protocols/render.py: reply bodies written from numpy arrays read back as the same values."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from vramguard.gateway.render import json_bytes
+from vramguard.gateway.protocols.render import json_bytes
 
 
 def test_float32_arrays_read_back_as_the_same_float32_values() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vramguard.gateway.schemas import BodyNotJsonError, jsonable, parse_infer_request, validate_inputs
+from vramguard.gateway.protocols.schemas import BodyNotJsonError, jsonable, parse_infer_request, validate_inputs
 from vramguard.shared.errors import InvalidInputError
 from vramguard.shared.models import CATALOGUE
 

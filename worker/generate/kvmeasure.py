@@ -1,5 +1,5 @@
 """The KV plan of a starting generative worker, from what it measured: the memory plan's budget,
-context, weights and fitted activation peak (worker/memory.py) and the cache bytes one token
+context, weights and fitted activation peak (worker/memory/budget.py) and the cache bytes one token
 really takes, checked against the model config's figure. The arithmetic is kvplan.py's.
 """
 
@@ -9,8 +9,8 @@ import logging
 from typing import Any
 
 from vramguard.worker.generate.kvplan import KVPlan, plan_kv
-from vramguard.worker.memory import MemoryBudget
-from vramguard.worker.plan import Fit
+from vramguard.worker.memory.budget import MemoryBudget
+from vramguard.worker.memory.plan import Fit
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def measure_kv_bytes_per_token(backend: Any, tokens: int = 16) -> int:
 
 
 def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int) -> KVPlan:
-    """The KV plan from the worker's measured memory plan (worker/memory.py): the step's peak is the
+    """The KV plan from the worker's measured memory plan (worker/memory/budget.py): the step's peak is the
     fitted activation peak of a prefill chunk plus one decode token per running row; on a GPU (or the
     simulated one) the plan also leaves room for the caching allocator's holes. Raises
     KVPlanError; logs a warning when the measured bytes per token differ from the config's."""

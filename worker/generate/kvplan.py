@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from vramguard.worker.simalloc import (
+from vramguard.worker.memory.simalloc import (
     LARGE_BUFFER,
     MIN_BLOCK_SIZE,
     MIN_LARGE_ALLOC,
@@ -78,7 +78,7 @@ def holes_beside(tensor_bytes: int, tensors: int) -> int:
     `tensor_bytes` each that are made again at a new size over and over, as a DynamicCache's per-layer
     keys and values are by torch.cat at every decode step, join and leave.
 
-    From the allocator's rules (c10/cuda/CUDACachingAllocator.cpp, as worker/simalloc.py keeps them):
+    From the allocator's rules (c10/cuda/CUDACachingAllocator.cpp, as worker/memory/simalloc.py keeps them):
     tensors under kMinLargeAlloc (10 MiB) share segments of `segment_size` (2 MiB in the small pool,
     20 MiB in the large one), seg // size to a segment, and the cap counts every segment whole, the
     last one's empty slots and each one's remainder included. From 10 MiB up a tensor is alone in its

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from vramguard.worker.generate.kvmeasure import build_kv_plan
 from vramguard.worker.generate.server import GenerationServer
-from vramguard.worker.memory import MemoryBudget
+from vramguard.worker.memory.budget import MemoryBudget
 
 if TYPE_CHECKING:
     from vramguard.worker.runner import ExitCode, Worker
@@ -46,7 +46,7 @@ class GenerationLoop:
         return loop
 
     async def publish_tokenizer(self, redis: aioredis.Redis) -> None:
-        """Put the model's tokenizer in Redis for the gateways' prompt count (gateway/prompt_tokens.py),
+        """Put the model's tokenizer in Redis for the gateways' prompt count (gateway/protocols/prompt_tokens.py),
         when the backend has one to describe. A failure only costs the gateways' early check."""
         describe = getattr(self.worker.backend, "tokenizer_description", None)
         if describe is None:

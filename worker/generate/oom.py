@@ -1,5 +1,5 @@
 """Out of memory inside a generation step (prefill or decode), handled as the batch path does
-(worker/execute.py): the step is undone, the running batch's KV cache freed, and its sequences
+(worker/batch/execute.py): the step is undone, the running batch's KV cache freed, and its sequences
 wait to run again in fewer rows, under a row cap that was halved (`RowCap`); a sequence that
 runs out of memory alone gets its own error. Runs on the model thread; no Redis.
 

@@ -16,8 +16,8 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.keys import Keys
 from vramguard.shared.protocol import ReplyMessage, pack, unpack
+from vramguard.worker.batch.publish import Outgoing
 from vramguard.worker.generate.sequence import Sequence
-from vramguard.worker.publish import Outgoing
 
 PROGRESS_SLACK_MS = 60_000  # a progress hash outlives its request's deadline by this much, then expires
 

@@ -4,7 +4,7 @@ at decode-step boundaries, run steps on the model thread, and after each step wr
 then chunks, then ack what finished (worker/generate/progress.py). Requests the cache cannot
 hold yet stay in the stream (unread), where another worker may take them.
 
-Entries of dead workers come back through worker/reclaim.py; their progress in Redis lets this
+Entries of dead workers come back through worker/batch/reclaim.py; their progress in Redis lets this
 worker resume their sequences where the client's stream stands.
 """
 
@@ -26,8 +26,9 @@ from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, I
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
-from vramguard.worker.entries import Entry, decode_entry
-from vramguard.worker.execute import is_oom
+from vramguard.worker.batch.entries import Entry, decode_entry
+from vramguard.worker.batch.execute import is_oom
+from vramguard.worker.batch.publish import DeadLetter, Outgoing, publish_replies
 from vramguard.worker.generate.engine import Emitted, Engine
 from vramguard.worker.generate.kvplan import KVPlan
 from vramguard.worker.generate.oom import RowCap, step_marks, undo_step
@@ -37,7 +38,6 @@ from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
-from vramguard.worker.publish import DeadLetter, Outgoing, publish_replies
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ class GenerationServer:
 
     def _compute_or_oom(self) -> list[Emitted] | None:
         """A step, or None when it ran out of memory (the exception, and the tensors its traceback
-        holds, do not outlive the except block: PyTorch FAQ, as in worker/execute.py)."""
+        holds, do not outlive the except block: PyTorch FAQ, as in worker/batch/execute.py)."""
         try:
             emitted = self._compute()
         except Exception as exc:

@@ -1,4 +1,4 @@
-"""`SyntheticLMBackend`: a generative test model for the simulated device (worker/simdevice.py),
+"""`SyntheticLMBackend`: a generative test model for the simulated device (worker/memory/simdevice.py),
 so the KV plan is tested against an allocator that fails like CUDA's, without a GPU and without
 a real model's CPU cost. It follows the same contract as causal_lm.py's CausalLMBackend.
 
@@ -21,9 +21,9 @@ import torch
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
-from vramguard.worker import simdevice
-from vramguard.worker.simalloc import Block
-from vramguard.worker.simdevice import SimDevice
+from vramguard.worker.memory import simdevice
+from vramguard.worker.memory.simalloc import Block
+from vramguard.worker.memory.simdevice import SimDevice
 
 KIB, MIB = 1024, 1024 * 1024
 VOCAB = 1000

@@ -10,7 +10,7 @@ decompression bomb costs nothing), at most MAX_DECODED_BYTES as Pillow holds the
 (pixels x bytes per pixel: a 16-bit or 4-band image counts double or four times), and a JPEG of at
 most MAX_JPEG_SCANS scans (each scan of a progressive JPEG is a full pass over the image: a
 100 KB file of thousands of scans decodes for minutes). The worker's decode timeout
-(worker/hang.py) is the backstop for any other slow decode. The centre square that ImageNet
+(worker/health/hang.py) is the backstop for any other slow decode. The centre square that ImageNet
 evaluation keeps (resize the short side to 256, crop 224) is resampled straight to 224x224, so an
 extreme aspect ratio never allocates a huge intermediate. Any mode (CMYK, palette, alpha, 16-bit
 grey) becomes 8-bit RGB. Every item then has the same size, so its cost is 1 and the memory

@@ -9,7 +9,7 @@ with no compute behind it.
 Cost: 1 per input, unless params.max_tokens > 1: then a string costs its word count (truncated
 at max_tokens, as minilm truncates at its window) and a batch costs items x its longest item.
 
-On the simulated device (device "sim", worker/simdevice.py) it declares memory, so the planner
+On the simulated device (device "sim", worker/memory/simdevice.py) it declares memory, so the planner
 has something real to measure: params.weights_mib held from load, and per forward
 params.fixed_mib + params.item_mib * padded cost, which raises the real
 torch.cuda.OutOfMemoryError past the device's limit. The defaults on a 512 MiB device at
@@ -22,9 +22,9 @@ forward it is in, the way real failures do:
     "cuda_error"  RuntimeError("CUDA error: an illegal memory access was encountered")
     "oom"         torch.cuda.OutOfMemoryError
     "leak"        (sim) the forward keeps all free device memory for good: every later forward OOMs
-    "hang"        the forward never returns (a stuck kernel or a deadlock; worker/hang.py ends it)
+    "hang"        the forward never returns (a stuck kernel or a deadlock; worker/health/hang.py ends it)
     "internal"    not the forward: costing the input raises, a bug in the worker's batch task
-                  (worker/batch_errors.py answers 500 internal)
+                  (worker/batch/batch_errors.py answers 500 internal)
     "decode_hang" not the forward: decoding the request never returns (a stuck image decoder)
 and an input {"alloc_mib": N} makes its forward take N MiB more than its cost says (sim), the
 way an input the cost model mispredicts does. Settings.fault_cuda_error_file is a one-shot hook:
@@ -45,8 +45,8 @@ import numpy as np
 from vramguard.shared.errors import ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
-from vramguard.worker import simdevice
-from vramguard.worker.simdevice import SimDevice
+from vramguard.worker.memory import simdevice
+from vramguard.worker.memory.simdevice import SimDevice
 
 MIB = 1024 * 1024
 DEFAULT_PARAMS = {"batch_ms": 0.0, "item_ms": 0.0, "weights_mib": 128.0, "fixed_mib": 16.0, "item_mib": 8.0,

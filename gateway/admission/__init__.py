@@ -1,0 +1,1 @@
+"""Admission, dispatch and replies: from a validated request to the stream and back."""

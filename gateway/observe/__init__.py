@@ -1,0 +1,1 @@
+"""What operators read: health (liveness, readiness), metrics and the status page."""

@@ -1,0 +1,1 @@
+"""The protocols the gateway speaks: native, KServe v2, OpenAI (embeddings, chat and completions)."""

@@ -1,0 +1,248 @@
+"""OpenAI-compatible POST /v1/chat/completions and /v1/completions for generative models,
+streamed as server-sent events (`data: {chunk}` lines, then `data: [DONE]`) or answered whole.
+
+The worker sends a request's tokens as numbered chunks on this gateway's reply stream
+(worker/generate/progress.py); a chunk number already forwarded is dropped here, which is what
+makes a stream resumed by another worker after a crash free of repeats. A client that leaves
+(or reads slower than `STREAM_BOUND` chunks behind) gets its sequence stopped: the gateway sets
+the request's cancel key, which the worker checks every decode step. Never imports torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Request
+from fastapi.responses import Response, StreamingResponse
+
+from vramguard.gateway.admission.replies import ReplyStream
+from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
+from vramguard.gateway.edge.disconnect import unless_disconnected
+from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
+from vramguard.gateway.protocols.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.protocols.prompt_tokens import PromptTokens
+from vramguard.gateway.protocols.render import FastJSONResponse
+from vramguard.shared.errors import DeadlineExceededError, UnavailableError, VramguardError, error_from_code
+from vramguard.shared.models import MAX_CHARS_PER_TOKEN
+from vramguard.shared.protocol import ReplyMessage, RequestId
+
+CHAT_PATH = "/v1/chat/completions"
+TEXT_PATH = "/v1/completions"
+PATHS = (CHAT_PATH, TEXT_PATH)
+STREAM_BOUND = 4096  # chunks waiting for a slow client before it is cut
+
+router = APIRouter(tags=["openai"])
+_background: set[asyncio.Task[None]] = set()  # cancel requests sent after a client left
+
+
+class ClientTooSlowError(UnavailableError):
+    """The client read its stream slower than the gateway could hold it."""
+
+
+@router.post(CHAT_PATH)
+async def chat_completions(request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None) -> Response:
+    """OpenAI chat completions (n = 1; no tools, logprobs or penalties): one assistant message."""
+    return await _serve(request, "chat", header_timeout(x_request_timeout_ms))
+
+
+@router.post(TEXT_PATH)
+async def completions(request: Request, x_request_timeout_ms: Annotated[str | None, Header()] = None) -> Response:
+    """OpenAI (legacy) completions: the prompt's continuation (n = 1; no echo, suffix, logprobs, best_of)."""
+    return await _serve(request, "text", header_timeout(x_request_timeout_ms))
+
+
+async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Response:
+    require_media_type(request, {JSON})
+    raw = await read_body(request, settings_of(request).max_body_bytes)
+    await check_json_cost(request, raw)  # before json.loads: 8 MiB of `[],` is a second of the loop's time
+    body = parse_body(raw, kind)
+    with inference_request(request, body.model) as record:
+        settings = settings_of(request)
+        spec = settings.spec_for(body.model)
+        if not spec.options.get("generates"):
+            raise BadBodyError(f"model: {body.model!r} does not generate text")
+        window = int(spec.options.get("context_window", 0)) or None
+        prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
+        await _check_window(request, body.model, prompt, max_tokens, window)
+        parameters: dict[str, object] = {"max_tokens": max_tokens, "temperature": body.temperature,
+                                         "top_p": body.top_p, "stop": body.stop_list()}
+        if body.seed is not None:
+            parameters["seed"] = body.seed
+        dispatcher = dispatcher_of(request)
+        timeout_ms = timeout_ms or dispatcher.config_for(body.model).default_timeout_ms
+        request_id = RequestId(str(record.request_id))
+        stream = await dispatcher.open_stream(body.model, [prompt], parameters, timeout_ms, request_id, STREAM_BOUND)
+        deadline = time.monotonic() + timeout_ms / 1000
+        view = _View(kind, body.model, request_id)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
+        try:
+            text, last = await unless_disconnected(request, _collect(stream, deadline))
+        except BaseException:
+            await dispatcher.close_stream(body.model, request_id, cancel=True)
+            raise
+        await dispatcher.close_stream(body.model, request_id, cancel=False)
+        return FastJSONResponse(view.whole(text, last))
+
+
+def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, window: int | None) -> tuple[object, int]:
+    """The prompt as the worker takes it (messages or a string) and max_tokens; raises
+    BadBodyError when max_tokens alone, or the prompt's characters, cannot fit the window (the
+    worker checks prompt tokens + max_tokens exactly, before generating anything)."""
+    if isinstance(body, ChatRequest):
+        prompt: object = [m.model_dump(exclude_none=True, exclude={"name"}) for m in body.messages]
+        chars = sum(len(m.content) for m in body.messages)
+        max_tokens = body.max_completion_tokens or body.max_tokens
+    else:
+        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
+        chars = len(str(prompt))
+        max_tokens = body.max_tokens
+    max_tokens = max_tokens or (min(DEFAULT_MAX_TOKENS[kind], window - 1) if window else DEFAULT_MAX_TOKENS[kind])
+    if window is not None and max_tokens >= window:
+        raise BadBodyError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's context window of "
+                           f"{window} tokens")
+    if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
+        field = "messages" if isinstance(body, ChatRequest) else "prompt"
+        raise BadBodyError(f"{field}: {chars} characters cannot fit the model's context window of {window} tokens")
+    return prompt, max_tokens
+
+
+async def _check_window(request: Request, model: str, prompt: object, max_tokens: int, window: int | None) -> None:
+    """BadBodyError when the prompt's tokens (counted as the worker counts them, when this gateway
+    can: gateway/protocols/prompt_tokens.py) plus max_tokens pass the context window."""
+    counter: PromptTokens = request.app.state.prompt_tokens
+    tokens = await counter.count(model, prompt) if window is not None else None
+    if tokens is not None and window is not None and tokens + max_tokens > window:
+        raise BadBodyError(f"max_tokens: the prompt has {tokens} tokens and max_tokens is {max_tokens}: "
+                           f"{tokens + max_tokens} tokens is over the model's context window of {window}")
+
+
+async def _chunks(stream: ReplyStream, deadline: float) -> AsyncIterator[dict[str, object]]:
+    """The request's chunks in order, each once (a chunk number already seen is a resumed
+    worker's re-send); ends after the chunk with a finish_reason. Raises the worker's error,
+    DeadlineExceededError, ClientTooSlowError."""
+    last = 0
+    while True:
+        try:
+            reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise DeadlineExceededError("the generation did not finish before its deadline") from None
+        if stream.overflowed:
+            raise ClientTooSlowError(f"the client read more than {STREAM_BOUND} chunks behind; stream cut")
+        if not reply.ok:
+            raise error_from_code(reply.error_code or "model_error", reply.error_message or "")
+        chunk = reply.outputs[0] if reply.outputs else None
+        if not isinstance(chunk, dict) or int(chunk["chunk"]) <= last:
+            continue
+        last = int(chunk["chunk"])
+        yield chunk
+        if chunk["finish_reason"] is not None:
+            return
+
+
+async def _collect(stream: ReplyStream, deadline: float) -> tuple[str, dict[str, object]]:
+    parts: list[str] = []
+    last: dict[str, object] = {}
+    async for chunk in _chunks(stream, deadline):
+        parts.append(str(chunk["text"]))
+        last = chunk
+    return "".join(parts), last
+
+
+async def _events(request: Request, stream: ReplyStream, view: _View, deadline: float,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    """The SSE body. Whatever ends it early (the client leaving cancels this generator; an
+    error) stops the worker's sequence through its cancel key."""
+    dispatcher = dispatcher_of(request)
+    finished = False
+    open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
+    try:
+        yield _sse(view.delta("", None, first=True))
+        async for chunk in _chunks(stream, deadline):
+            yield _sse(view.delta(str(chunk["text"]), chunk["finish_reason"]))
+            if chunk["finish_reason"] is not None and include_usage:
+                yield _sse(view.usage_only(chunk))
+        finished = True
+        yield b"data: [DONE]\n\n"
+    except VramguardError as exc:
+        yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code,
+                              "request_id": view.request_id}})
+    finally:
+        open_streams(request.app).pop(view.request_id, None)
+        task = asyncio.get_running_loop().create_task(
+            dispatcher.close_stream(view.model, view.request_id, cancel=not finished))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+
+def open_streams(app: Any) -> dict[RequestId, ReplyStream]:
+    """The SSE streams this gateway is sending now, by request id (on app.state)."""
+    streams: dict[RequestId, ReplyStream] | None = getattr(app.state, "open_sse_streams", None)
+    if streams is None:
+        streams = app.state.open_sse_streams = {}
+    return streams
+
+
+async def end_open_streams(app: Any, timeout_s: float) -> None:
+    """A gateway shutting down (after its shutdown delay): each open SSE stream ends with an
+    error event in OpenAI's shape (`unavailable`) instead of a cut connection, and its sequence is
+    cancelled; waits up to `timeout_s` for the streams to send it."""
+    streams = open_streams(app)
+    for request_id, stream in list(streams.items()):
+        stream.put(ReplyMessage.failure(request_id, UnavailableError.code,
+                                        "the gateway is shutting down; retry the request"))
+    loop = asyncio.get_running_loop()
+    until = loop.time() + timeout_s
+    while streams and loop.time() < until:
+        await asyncio.sleep(0.05)
+
+
+def _sse(data: dict[str, object]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+class _View:
+    """OpenAI's shapes for one request: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, kind: str, model: str, request_id: RequestId) -> None:
+        self.kind, self.model, self.request_id = kind, model, request_id
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + request_id
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, object]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def delta(self, text: str, finish_reason: object, *, first: bool = False) -> dict[str, object]:
+        if self.kind == "chat":
+            delta: dict[str, object] = {"role": "assistant", "content": ""} if first else {"content": text}
+            if finish_reason is not None and not text:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return {**self._head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head("text_completion"), "choices": [choice]}
+
+    def usage_only(self, last: dict[str, object]) -> dict[str, object]:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": _usage(last)}
+
+    def whole(self, text: str, last: dict[str, object]) -> dict[str, object]:
+        reason = last.get("finish_reason")
+        if self.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": reason}
+            return {**self._head("chat.completion"), "choices": [choice], "usage": _usage(last)}
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        return {**self._head("text_completion"), "choices": [choice], "usage": _usage(last)}
+
+
+def _usage(last: dict[str, object]) -> dict[str, int]:
+    prompt = int(last.get("prompt_tokens", 0))  # type: ignore[call-overload]
+    completion = int(last.get("completion_tokens", 0))  # type: ignore[call-overload]
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
