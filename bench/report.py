@@ -21,10 +21,12 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_MD = ROOT / "bench" / "RESULTS.md"
 ANALYSIS_MD = ROOT / "bench" / "ANALYSIS.md"
 DEFAULT_OUT = ROOT / "bench" / "results"
-README_MD = ROOT / "README.md"
+# The docs page whose headline table each default run rewrites (between HEADLINE_MARKERS).
+HEADLINE_MD = ROOT / "docs" / "guides" / "measure.md"
 # What a run rewrites itself does not make the measured code "edited".
-UNTRACKED_OUTPUTS = ("status", "--porcelain", "--", ".", ":!bench/results", ":!bench/RESULTS.md", ":!README.md")
-README_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
+UNTRACKED_OUTPUTS = ("status", "--porcelain", "--", ".", ":!bench/results", ":!bench/RESULTS.md",
+                     ":!docs/guides/measure.md")
+HEADLINE_MARKERS = ("<!-- bench:targets -->", "<!-- /bench:targets -->")
 Record = dict[str, object]
 SERVING_HEADERS = ["configuration", "conc.", "req/s", "% of limit", "p50 ms", "p95 ms", "p99 ms", "max ms",
                    "mean batch", "queue delay ms", "peak RSS MiB", "device MiB (heartbeat)", "requests", "errors"]
@@ -138,16 +140,16 @@ def write_report(out_dir: Path) -> Path:
         parts.append(ANALYSIS_MD.read_text().strip())
     results_md.write_text("\n\n".join(p for p in parts if p) + "\n")
     if results_md == RESULTS_MD:
-        update_readme(groups, fig)
+        update_headline(groups, fig)
     return results_md
 
 
-def update_readme(groups: dict[str, list[Record]], fig: Figures, readme: Path = README_MD) -> bool:
-    """Replace the block between README_MARKERS in README.md with this run's targets table, so the
-    README's headline figures always match RESULTS.md. Returns False (and changes nothing) when
-    the markers are missing."""
-    start, end = README_MARKERS
-    text = readme.read_text()
+def update_headline(groups: dict[str, list[Record]], fig: Figures, page: Path = HEADLINE_MD) -> bool:
+    """Replace the block between HEADLINE_MARKERS in the docs' "Measure it" page with this run's
+    targets table, so the published headline figures always match RESULTS.md. Returns False (and
+    changes nothing) when the markers are missing."""
+    start, end = HEADLINE_MARKERS
+    text = page.read_text()
     if start not in text or end not in text:
         return False
     meta = (groups.get("meta") or [{}])[0]
@@ -156,7 +158,7 @@ def update_readme(groups: dict[str, list[Record]], fig: Figures, readme: Path = 
     targets = table(["target", "measured", "verdict"], target_rows(fig))
     block = f"{start}\nFrom the run of {run}.{note}\n\n{targets}\n{end}"
     head, rest = text.split(start, 1)
-    readme.write_text(head + block + rest.split(end, 1)[1])
+    page.write_text(head + block + rest.split(end, 1)[1])
     return True
 
 

@@ -24,7 +24,7 @@ from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides, ModelS
 ENV_PREFIX = "VRAMGUARD_"
 REDIS_SCHEMES = ("redis", "rediss", "unix")  # what redis-py's from_url accepts
 # Where a user finds every setting's name; an unknown-setting error points here instead of listing them.
-SETTINGS_LIST = "README 'Settings', or python -m vramguard.gateway --help"
+SETTINGS_LIST = "docs/reference/settings.md, or python -m vramguard.gateway --help"
 
 
 class SettingsError(ValueError):
@@ -44,12 +44,16 @@ class Settings(BaseSettings):
     )
 
     # --- where things are ---
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_url: str = "redis://127.0.0.1:6379/0"  # the broker; its password is masked in logs
+    # First segment of every Redis key (<prefix>:req:{<model>}, ...; shared/keys.py).
+    key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
+    host: str = "0.0.0.0"  # gateway: the address it binds
+    port: int = Field(8000, ge=1, le=65535)  # gateway: the port it listens on
     # --- Redis topology (shared/redis_client.py): a plain URL, Sentinel, or Cluster ---
     # Sentinel: host:port of each sentinel, comma-separated; the primary named redis_sentinel_master is
     # looked up through them (redis_url then only gives the password and db number).
     redis_sentinels: Annotated[list[str], NoDecode] = []
-    redis_sentinel_master: str = "vramguard"
+    redis_sentinel_master: str = "vramguard"  # the name the sentinels monitor the primary under
     redis_sentinel_password: SecretStr | None = None  # when the sentinels themselves require AUTH
     # Cluster: redis_url names any one node; the client discovers the rest and follows MOVED.
     redis_cluster: bool = False
@@ -58,9 +62,6 @@ class Settings(BaseSettings):
     # redis-py's reply parser: hiredis (C) when installed ("auto"), or redis-py's pure-Python one
     # ("python": the before-figure of the serving-cost benchmark, or to rule hiredis out).
     redis_parser: Literal["auto", "python"] = "auto"
-    key_prefix: str = Field("vramguard", pattern=r"^[A-Za-z0-9_.-]+$")
-    host: str = "0.0.0.0"
-    port: int = Field(8000, ge=1, le=65535)
 
     # --- what is served ---
     served_models: Annotated[list[str], NoDecode] = ["minilm"]  # gateway: comma-separated names
@@ -69,26 +70,31 @@ class Settings(BaseSettings):
     # A TOML file of the user's own models (shared/models.py `load_models_file`); gateway and
     # workers read the same file, so the gateway knows each model's description without its code.
     models_file: str | None = None
+    # Worker: "auto" (CUDA if torch sees a GPU), "cpu", "cuda", or "sim" (simulated GPU memory,
+    # worker/memory/simdevice.py: tests and demos).
     device: Literal["auto", "cpu", "cuda", "sim"] = "auto"
     torch_threads: int = Field(0, ge=0)  # 0 = torch's default
     worker_name: str | None = None  # consumer name; stable across restarts when set (supervisor sets it)
 
     # --- timing ---
     block_ms: int = Field(1000, ge=10, le=60_000)  # XREADGROUP / XREAD BLOCK while idle
-    heartbeat_interval_ms: int = Field(1000, ge=50)
+    heartbeat_interval_ms: int = Field(1000, ge=50)  # how often a worker beats (below heartbeat_ttl_ms)
     heartbeat_ttl_ms: int = Field(5000, ge=100)  # a worker is live while its heartbeat is younger
     # Gateway: a model whose workers were live within this many seconds keeps accepting requests while
     # none is live (they are restarting); past it, or never seen, 503 at once. 0: 503 as soon as none is live.
     worker_return_grace_s: float = Field(30.0, ge=0, le=3600)
     reply_stream_ttl_s: int = Field(60, ge=5)  # a dead gateway's reply stream expires after this
+    # Approximate cap on a gateway's reply stream: replies are read within milliseconds, so it only
+    # bounds a stalled gateway's stream.
     reply_stream_maxlen: int = Field(10_000, ge=100)
-    shutdown_grace_s: float = Field(10.0, gt=0)
+    shutdown_grace_s: float = Field(10.0, gt=0)  # drain time on SIGTERM (supervisor's stopwaitsecs is 20)
     # Gateway: after SIGTERM it keeps serving this long, readiness failing, before its drain: a
     # load balancer (a Kubernetes Service) keeps sending it new connections until it has seen the
     # readiness fail or the endpoint removal; 0 (supervisor, compose): drain at once.
     shutdown_delay_s: float = Field(0.0, ge=0, le=600)
 
     # --- HTTP ---
+    # Gateway: a larger request body, before or after gzip/deflate decompression, gets 413.
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024)
     # JSON values (scalars, lists, objects) one request body may hold: parsing builds one Python object
     # each on the event loop (gateway/edge/bodycost.py). 65,536 holds 256 inputs of 254 token ids (OpenAI).
@@ -96,9 +102,9 @@ class Settings(BaseSettings):
     # Request body bytes one gateway process holds at once (gateway/edge/bodybudget.py), at least one
     # body at the cap. 96 MiB: a request holds about 4.6 x its body in memory (body, parsed inputs,
     # packed request: measured), so 442 MiB, plus the process (82 MiB) and its JSON counting
-    # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (README "Run on Kubernetes").
+    # process (260 MiB at most) fit the Kubernetes gateway's 1 GiB limit (docs/guides/kubernetes.md).
     max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
-    access_log: bool = False
+    access_log: bool = False  # uvicorn's access log (JSON logs on stderr either way)
     # The event loop of the gateway (uvicorn's `loop`) and of the worker (shared/eventloop.py):
     # uvloop when installed ("auto"), or asyncio's own.
     event_loop: EventLoopChoice = "auto"
@@ -114,6 +120,8 @@ class Settings(BaseSettings):
     prometheus_multiproc_dir: str | None = Field(
         None, validation_alias=AliasChoices("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
     )
+    # Gateway: when set, /v1/... and /v2/... (but /v2/health/*) require it (Authorization: Bearer, or
+    # X-API-Key); masked in logs; an empty or whitespace key stops the gateway (exit 2).
     api_key: SecretStr | None = None
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     # The HTTP server's limits against slow or hostile clients (gateway/edge/server.py). Keep-alive:
@@ -157,7 +165,7 @@ class Settings(BaseSettings):
     sim_gpus: int = Field(0, ge=0, le=64)  # `make up`: simulated GPUs the host has (0: look for real ones)
     # Where workers on this host keep their per-device ledgers (registered shares; the simulated
     # devices' memory). Unset: <tmp>/vramguard-devices. Processes that share a GPU must share it
-    # (containers: one volume / hostPath per host, README "Memory").
+    # (containers: one volume / hostPath per host, docs/concepts/memory.md).
     device_ledger_dir: str | None = None
     # At start a worker checks that its GPU has its budget free (mem_get_info): "refuse" exits (code 3)
     # naming the GPU, what is free, what it needs and who holds the rest; "warn" (a GPU shared with
@@ -349,7 +357,7 @@ class Settings(BaseSettings):
 def settings_help() -> str:
     """Every setting as its environment variable and default, one per line, for a `--help`; the
     per-model knobs as VRAMGUARD_MODELS__<MODEL>__<KNOB> with the default of a model that sets none."""
-    lines = ["settings (environment variables; defaults in brackets, README 'Settings' explains each):"]
+    lines = ["settings (environment variables; defaults in brackets, docs/reference/settings.md explains each):"]
     for name, field in Settings.model_fields.items():
         if name == "models":
             continue  # listed knob by knob below

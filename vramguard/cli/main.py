@@ -18,8 +18,8 @@ from vramguard.cli import check, stack, up
 
 EPILOG_UP = ("Environment: VRAMGUARD_PORT (8000), VRAMGUARD_REDIS_PORT (6379), VRAMGUARD_REDIS_URL (an existing "
              "Redis instead of the embedded one), VRAMGUARD_SIM_GPUS (simulate N GPUs), and any VRAMGUARD_* setting "
-             "(README 'Settings'). Exit codes: 2 a bad option, setting or placement, nothing started; 1 the stack "
-             "could not start (the failing program's error is printed) or a port is taken.")
+             "(docs/reference/settings.md). Exit codes: 2 a bad option, setting or placement, nothing started; 1 the "
+             "stack could not start (the failing program's error is printed) or a port is taken.")
 
 
 class OneLineParser(argparse.ArgumentParser):
