@@ -98,7 +98,7 @@ def create_app(settings: Settings) -> GatewayApp:
             await ensure_groups(redis, keys, settings.served_models)
         except RedisError as exc:
             # Start anyway: readiness and admission answer 503 until Redis answers, and the first
-            # worker to connect creates the groups (docs/architecture.md "When things fail": Redis down
+            # worker to connect creates the groups (docs/concepts/architecture.md "When things fail": Redis down
             # means 503, then recovery).
             log.warning("Redis unreachable at start; answering 503 until it is back", extra={"error": str(exc)})
         await health.start()

@@ -2,7 +2,7 @@
 # The memory promise on a real GPU, as one prepared script (one H200, under 8 minutes from a bare
 # machine). It needs a Python with the CUDA torch (the GPU machine's image has one; PYTHON=... picks
 # another); the project's pure-Python dependencies it cannot find are installed from wheels carried
-# in .whl/ (pip download them here, see docs/architecture.md "Memory"), never from the network.
+# in .whl/ (pip download them here, see docs/concepts/architecture.md "Memory"), never from the network.
 #   0. environment: torch, CUDA, NVML, redis-server;
 #   1. one minilm worker (make up MODEL=minilm GPUS=0 WORKERS_PER_GPU=1): 500 concurrent requests, one
 #      in 8 at the model's maximum length, then per worker NVML's per-process used memory vs

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 
 class VramguardError(Exception):
-    """Root of every error a client can see; the table above; README "API" lists the statuses."""
+    """Root of every error a client can see; the table above; docs/reference/api/index.md lists the statuses."""
 
     code: str = "internal"
     http_status: int = 500

@@ -1,4 +1,4 @@
-"""Every Redis key and the consumer group name, in one place (docs/architecture.md "The pieces").
+"""Every Redis key and the consumer group name, in one place (docs/concepts/architecture.md "The pieces").
 
     <prefix>:req:{<model>}        request stream, consumer group `workers`
     <prefix>:rep:{<gateway_id>}   reply stream of one gateway process
@@ -20,7 +20,7 @@
 The braces are Redis Cluster hash tags: only the part inside them picks the hash slot, so all of
 one model's keys share a slot (the dead-letter MULTI touches its request and dead-letter streams
 together) while different models and gateways spread over the primaries. No script or MULTI
-touches a model's keys and a gateway's or worker's keys together (README "Redis Cluster").
+touches a model's keys and a gateway's or worker's keys together (docs/guides/redis.md, "Cluster").
 """
 
 from __future__ import annotations

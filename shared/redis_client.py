@@ -5,7 +5,7 @@ Two kinds of client: a pooled one for short commands, and a dedicated one per bl
 (XREAD/XREADGROUP with BLOCK) whose socket timeout exceeds the block time, so a blocked read
 never shares, or poisons, a pooled connection (redis-py asyncio guidance).
 
-Failover (README "Redis that survives losing a node"): a connection error, a timeout and
+Failover (docs/guides/redis.md): a connection error, a timeout and
 READONLY (a primary demoted to a replica answers writes so) all drop the connection and retry
 on a fresh one; under Sentinel the fresh one asks the sentinels for the current primary, under
 Cluster redis-py follows MOVED and refreshes the slot map. No other module builds a client.
@@ -133,7 +133,7 @@ async def check_eviction_policy(redis: aioredis.Redis, settings: Settings) -> st
 
     Under any maxmemory-policy but `noeviction`, a Redis at maxmemory deletes keys to make room:
     a queued request, a pending entry or a reply stream vanishes and its client sees a lost
-    request instead of a clear 503 (README "Redis settings"). Returns the problem found, or None.
+    request instead of a clear 503 (docs/guides/redis.md). Returns the problem found, or None.
     A Redis that forbids CONFIG (some managed services) is reported, not refused.
     """
     if settings.redis_eviction_check == "off":

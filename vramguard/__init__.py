@@ -6,7 +6,7 @@
 to the gateway by its entry in a TOML models file (vramguard.shared.models `ModelSpec`). These names
 are loaded on first use (PEP 562 module `__getattr__`), so `import vramguard.gateway` does not pull in
 the worker's code, and `from vramguard import ModelBackend` never imports torch or FastAPI. See
-README "Serve your own model".
+docs/guides/own-model.md.
 
 The service's own packages are `vramguard.gateway`, `vramguard.worker` and `vramguard.shared`. In a
 source checkout they are the top-level folders `gateway/`, `worker/` and `shared/` (the layout the

@@ -1,5 +1,5 @@
 """The worker's lifecycle: connect, load and warm up the model, then read batches, run them
-and publish replies until told to stop. The main loop reads like docs/architecture.md's hops:
+and publish replies until told to stop. The main loop reads like docs/concepts/architecture.md's hops:
 
     read_batch (batcher.py) -> BatchServer.serve (serve.py): decode + drop expired, cost
     groups, run_batch (execute.py), publish_replies (publish.py)

@@ -12,7 +12,7 @@
 Result: no request hangs past its deadline (each is answered by deadline + 1.5 s); a request
 in flight during the failover either succeeds or fails with 503 (Redis unreachable, or no live
 worker while heartbeats resume) or 504 (its entry was not yet replicated when the primary died:
-asynchronous replication, README "What a failover can lose"); every request sent once the
+asynchronous replication, docs/guides/redis.md "What a failover can lose"); every request sent once the
 stack has recovered succeeds (at most 2 % stragglers).
 """
 

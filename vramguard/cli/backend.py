@@ -9,7 +9,7 @@ come from optional class attributes, else the most permissive declaration:
     example = [[0.5, 1.0]]                    # one request's inputs, for the curl line `up` prints
 
 A model that needs more (KServe v2 tensors, parameters, defaults) uses a models file
-(VRAMGUARD_MODELS_FILE, README "Serve your own model").
+(VRAMGUARD_MODELS_FILE, docs/guides/own-model.md).
 """
 
 from __future__ import annotations

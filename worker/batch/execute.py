@@ -1,7 +1,7 @@
 """Hop 3 (compute): `run_batch` turns a list of items into one result per item: collate,
 forward, split, encode, in chunks that fit the memory budget (items and padded cost).
 
-Failures stay as small as they can be (docs/architecture.md "Memory"):
+Failures stay as small as they can be (docs/concepts/architecture.md "Memory"):
 - a model failure: the chunk's items are retried one by one, so only the failing item gets
   `model_error`;
 - `torch.cuda.OutOfMemoryError`, or an allocation failure of cuBLAS/cuDNN/cuRAND (`is_oom`): free

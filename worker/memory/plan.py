@@ -1,4 +1,4 @@
-"""The memory plan's arithmetic (docs/architecture.md "Memory"): fit peak = fixed + per_unit x cost to the
+"""The memory plan's arithmetic (docs/concepts/architecture.md "Memory"): fit peak = fixed + per_unit x cost to the
 measured forwards, then derive from this worker's share of its device how large one forward may
 be and how many may run at once. Pure numbers: no torch, no device, no Redis; worker/memory/budget.py
 measures and enforces, this module decides.
@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-MEASURE_BATCH_SIZES = (1, 2, 4, 8)  # "a few batch sizes" (docs/architecture.md "Memory"); the fit extrapolates beyond
+# "a few batch sizes" (docs/concepts/architecture.md "Memory"); the fit extrapolates beyond
+MEASURE_BATCH_SIZES = (1, 2, 4, 8)
 MAX_WORKERS_PER_GPU = 64
 UNLIMITED_COST = 1 << 31  # a fit with no per-unit memory: the configured max_batch_size is the only bound
 
@@ -150,7 +151,7 @@ def plan_budget(
     *, device_kind: str, total_bytes: int, context_bytes: int, weights_bytes: int, fit: Fit, max_item_cost: int,
     watermark: float, memory_share: float, max_batch_size: int, max_inflight_batches: int = 1,
 ) -> Plan:
-    """docs/architecture.md's arithmetic with a share: usable = memory_share x total; room = usable - context
+    """docs/concepts/architecture.md's arithmetic with a share: usable = memory_share x total; room = usable - context
     - weights; each of K concurrent forwards fits in room / K. K starts at `max_inflight_batches`
     and is lowered until a forward holds one item of the largest cost (`max_item_cost`); at K = 1 a
     forward must hold at least one unit of cost.

@@ -44,7 +44,7 @@ MAX_DECODED_BYTES = 128 * 1024 * 1024
 # libjpeg's standard progression (jcparam.c, jpeg_simple_progression) has 10 scans for colour and 6
 # for grey; libjpeg-turbo bounds scans for this very attack (djpeg -maxscans, TJPARAM_SCANLIMIT).
 MAX_JPEG_SCANS = 100
-FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")  # Pillow's format names; the README's list
+FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP")  # Pillow's format names; the list in docs/reference/models.md
 FORMAT_NAMES = "JPEG, PNG, WebP, GIF, BMP"
 N_CLASSES = 1000
 MEAN = np.array([0.485, 0.456, 0.406], dtype=np.float32)  # ImageNet statistics, RGB
