@@ -46,7 +46,7 @@ NON_SETTINGS = {
     "VRAMGUARD_CPU_TORCH_PIP_ARGS": "docker-compose.yml: where the CPU worker image's torch comes from",
     "VRAMGUARD_DEVICE_LEDGER_HOST_DIR": "docker-compose.yml: the host folder mounted as the ledger",
 }
-HELP_COLUMNS = "100"  # argparse wraps --help at $COLUMNS
+HELP_COLUMNS = "80"  # argparse wraps --help at $COLUMNS; a code block of the theme shows about 80
 
 
 def on_config(config: Any) -> Any:
@@ -150,10 +150,10 @@ def field_comments(source: Path, class_name: str) -> tuple[dict[str, str], dict[
 
 
 def shown(value: object) -> str:
-    """A default as written in the environment (lists comma-separated, None as unset)."""
+    """A default as written in the environment (lists comma-separated, None as unset, booleans lower case)."""
     from vramguard.shared.settings import _shown
 
-    return _shown(value)
+    return str(value).lower() if isinstance(value, bool) else _shown(value)
 
 
 def bounds(field: Any) -> str:
@@ -171,14 +171,19 @@ def bounds(field: Any) -> str:
 
 
 def type_name(annotation: object) -> str:
+    """A field's type as a reader writes it: `str | None`, `list[str]`, one of `"a"`, `"b"`."""
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation).replace("typing.", "")
     text = re.sub(r"pydantic\.types\.|vramguard\.[\w.]+\.", "", text)
-    return re.sub(r"Annotated\[(.+?), NoDecode\]", r"\1", text).replace("NoneType", "None")
+    text = re.sub(r"Annotated\[(.+?), NoDecode\]", r"\1", text).replace("NoneType", "None")
+    text = text.replace("SecretStr", "str (secret)")
+    return re.sub(r"Literal\[(.+?)\]", lambda m: "one of " + m.group(1).replace("'", "`"), text)
 
 
 def cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """`text` for one table cell: pipes escaped, and `<`, `>` outside code spans kept as text, not HTML."""
+    parts = text.replace("|", "\\|").replace("\n", " ").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
 def settings_reference() -> str:
@@ -197,29 +202,27 @@ def settings_reference() -> str:
         by_group.setdefault(groups.get(name) or "general", []).append(row)
     parts = []
     for group, rows in by_group.items():
-        parts.append(f"### {group[:1].upper()}{group[1:]}\n\n| variable | type | default | what |\n"
+        title = re.sub(r"\s*\([^)]*\)", "", group)  # "Redis topology (shared/redis_client.py): ..." without the file
+        parts.append(f"### {title[:1].upper()}{title[1:]}\n\n| variable | type | default | what |\n"
                      "| --- | --- | --- | --- |\n" + "\n".join(rows))
     return "\n\n".join(parts)
 
 
 def model_knobs_reference() -> str:
     from vramguard.shared.models import BUILTIN, ModelConfig, ModelOverrides
-    from vramguard.shared.settings import ENV_PREFIX
 
     doc = ModelConfig.__doc__ or ""
     described = {m.group(1): " ".join(m.group(2).split())
                  for m in re.finditer(r"^    (\w+): (.+?)(?=^    \w+: |\Z)", doc, re.MULTILINE | re.DOTALL)}
     base = ModelConfig()
-    models = sorted(BUILTIN)
-    header = "| variable | default | " + " | ".join(f"`{m}`" for m in models) + " | what |\n"
-    header += "| --- | --- | " + " | ".join("---" for _ in models) + " | --- |\n"
     rows = []
     for name in ModelOverrides.model_fields:
-        own = [getattr(BUILTIN[m].defaults, name, None) for m in models]
-        cells = " | ".join(f"`{cell(shown(v))}`" if v is not None else "" for v in own)
-        rows.append(f"| `{ENV_PREFIX}MODELS__<MODEL>__{name.upper()}` | `{cell(shown(getattr(base, name)))}` | "
-                    f"{cells} | {cell(described.get(name, ''))} |")
-    return header + "\n".join(rows)
+        default = getattr(base, name)
+        own = [f"{model} `{cell(shown(getattr(BUILTIN[model].defaults, name)))}`" for model in sorted(BUILTIN)
+               if getattr(BUILTIN[model].defaults, name) != default]
+        rows.append(f"| `{name.upper()}` | `{cell(shown(default))}` | {', '.join(own)} | "
+                    f"{cell(described.get(name, ''))} |")
+    return ("| knob | default | built-in models' own | what |\n| --- | --- | --- | --- |\n" + "\n".join(rows))
 
 
 # --- CLI ---

@@ -35,6 +35,7 @@ def test_the_site_builds_strict_with_the_references_generated_from_the_code(tmp_
     """1. `mkdocs build --strict` of the checkout into a temporary folder.
     Result: exit 0, and the generated pages hold what the code holds: every setting's variable, every
     subcommand's usage, the gateway's series and the worker's exit codes."""
+    from vramguard.shared.models import ModelOverrides
     from vramguard.shared.settings import ENV_PREFIX, Settings
 
     done = mkdocs("build", "--strict", "--site-dir", str(tmp_path / "site"))
@@ -44,7 +45,8 @@ def test_the_site_builds_strict_with_the_references_generated_from_the_code(tmp_
     for name in Settings.model_fields:
         if name not in ("models", "prometheus_multiproc_dir", "cuda_visible_devices"):
             assert f"{ENV_PREFIX}{name.upper()}" in settings, name
-    assert "VRAMGUARD_MODELS__&lt;MODEL&gt;__MAX_BATCH_SIZE" in settings
+    for knob in ModelOverrides.model_fields:
+        assert f"<code>{knob.upper()}</code>" in settings, knob
     cli = (site / "reference" / "cli" / "index.html").read_text()
     for command in ("up", "down", "status", "check", "profile"):
         assert f"usage: vramguard {command}" in cli, command
