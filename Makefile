@@ -92,7 +92,7 @@ bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed
 
 lint: $(VENV)/.test-installed
 	$(BIN)/pip install --quiet ruff mypy
-	$(BIN)/ruff check shared gateway worker tests deploy bench vramguard examples
+	$(BIN)/ruff check shared gateway worker tests deploy bench vramguard examples docs/hooks
 	$(BIN)/mypy
 
 # The documentation site (mkdocs.yml): the reference pages are generated from this checkout's code.
