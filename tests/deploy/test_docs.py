@@ -56,14 +56,16 @@ def test_the_site_builds_strict_with_the_references_generated_from_the_code(tmp_
     assert "<!-- generated:" not in settings + cli + metrics
 
 
-def test_the_strict_build_fails_on_a_broken_link_an_orphan_page_and_an_unknown_setting(tmp_path: Path) -> None:
+def test_the_strict_build_fails_on_broken_links_an_orphan_page_and_an_unknown_setting(tmp_path: Path) -> None:
     """1. A site with the checkout's mkdocs.yml (theme, hook, validation, strict) but its own pages: an
-    index linking to a missing page and naming VRAMGUARD_NOT_A_SETTING, and a page left out of the nav.
-    Result: the build fails, with a warning for each of the three."""
+    index linking to a missing page and to a missing anchor and naming VRAMGUARD_NOT_A_SETTING, and a
+    page left out of the nav.
+    Result: the build fails, with a warning for each of the four."""
     config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "index.md").write_text("# Home\n\nSee [the guide](missing.md); set `VRAMGUARD_NOT_A_SETTING=1`.\n")
+    (docs / "index.md").write_text("# Home\n\nSee [the guide](missing.md) and [its part](#no-such-part); set "
+                                   "`VRAMGUARD_NOT_A_SETTING=1`.\n")
     (docs / "orphan.md").write_text("# Orphan\n\nIn no nav.\n")
     config.update(docs_dir=str(docs), nav=[{"Home": "index.md"}], exclude_docs="",
                   hooks=[str(ROOT / "docs" / "hooks" / "reference.py")])
@@ -71,6 +73,7 @@ def test_the_strict_build_fails_on_a_broken_link_an_orphan_page_and_an_unknown_s
     done = mkdocs("build", "--strict", "--site-dir", str(tmp_path / "site"), cwd=tmp_path)
     assert done.returncode != 0, done.stderr[-4000:]
     assert re.search(r"WARNING.*index\.md.*missing\.md", done.stderr), done.stderr
+    assert re.search(r"WARNING.*index\.md.*#no-such-part", done.stderr), done.stderr
     assert re.search(r'WARNING.*not included in the "nav" configuration:\n  - orphan\.md', done.stderr), done.stderr
     assert re.search(r"WARNING.*VRAMGUARD_NOT_A_SETTING", done.stderr), done.stderr
 
