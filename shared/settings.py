@@ -123,7 +123,7 @@ class Settings(BaseSettings):
     # Gateway: when set, /v1/... and /v2/... (but /v2/health/*) require it (Authorization: Bearer, or
     # X-API-Key); masked in logs; an empty or whitespace key stops the gateway (exit 2).
     api_key: SecretStr | None = None
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"  # of the JSON log lines on stderr
     # The HTTP server's limits against slow or hostile clients (gateway/edge/server.py). Keep-alive:
     # longer than the idle timeout of the pools and load balancers in front (ALB 60 s, nginx 60 s,
     # aiohttp 15 s, httpx 5 s), so the client side always closes an idle connection first and never
@@ -176,8 +176,8 @@ class Settings(BaseSettings):
     sim_memory_bytes: int = Field(512 * 1024 * 1024, ge=1024 * 1024)  # size of the simulated device (device=sim)
     # The simulated device's memory outside the allocator per process (worker/memory/simdevice.py): the CUDA
     # context from the start, kernel modules from the first forward (lazy loading).
-    sim_context_bytes: int = Field(8 * 1024 * 1024, ge=0)
-    sim_module_bytes: int = Field(4 * 1024 * 1024, ge=0)
+    sim_context_bytes: int = Field(8 * 1024 * 1024, ge=0)  # the CUDA context's
+    sim_module_bytes: int = Field(4 * 1024 * 1024, ge=0)  # the kernel modules', from the first forward
     fault_cuda_error_file: str | None = None  # test hook: if this file exists, the next forward deletes it and
     #                                           raises a CUDA error (one-shot, survives the restart it causes)
 
@@ -186,7 +186,7 @@ class Settings(BaseSettings):
     # (XAUTOCLAIM). Live workers refresh the idle time of the entries they hold every
     # reclaim_interval_ms, so claim_idle_ms only has to cover a few missed refreshes, not a batch.
     claim_idle_ms: int = Field(10_000, ge=100)
-    reclaim_interval_ms: int = Field(1000, ge=10)
+    reclaim_interval_ms: int = Field(1000, ge=10)  # how often a worker refreshes its entries and looks for stale ones
     # Deliveries (Redis' delivery_count) an entry may have; the next one sends it to the dead letter.
     max_deliveries: int = Field(3, ge=1)
     # A consumer idle this long with no pending entries is a dead worker's; XGROUP DELCONSUMER removes it.

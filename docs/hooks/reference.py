@@ -194,6 +194,8 @@ def settings_reference() -> str:
     for name, field in Settings.model_fields.items():
         if name == "models":
             continue  # the per-model knobs, below
+        if not described.get(name):
+            log.warning("shared/settings.py: setting %s has no comment beside it to describe it", name)
         default = "" if field.is_required() else shown(field.get_default(call_default_factory=True))
         kind = type_name(field.annotation)
         limit = bounds(field)

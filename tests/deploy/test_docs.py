@@ -6,6 +6,7 @@ README is a landing page whose links land, and a bench run rewrites the docs' he
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 import shutil
@@ -121,3 +122,22 @@ def test_a_bench_run_rewrites_the_headline_table_of_measure_it(tmp_path: Path) -
     block = after.split(start)[1].split(end)[0]
     assert after.startswith(head) and after.endswith(tail)
     assert "old figures" not in block and "From the run of" in block and "| target | measured | verdict |" in block
+
+
+def test_a_setting_without_a_comment_is_a_warning_of_the_build(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The settings page's descriptions are the comments beside each field: the hook generates the page
+    with one field's comment missing and warns, naming it (a warning fails the strict build)."""
+    require_part(importlib.util.find_spec("mkdocs"), "mkdocs is not installed (pip install -r docs/requirements.txt)")
+    spec = importlib.util.spec_from_file_location("docs_hook", ROOT / "docs" / "hooks" / "reference.py")
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    described, groups = hook.field_comments(ROOT / "shared" / "settings.py", "Settings")
+    assert described["watermark"] and described["port"]
+    monkeypatch.setattr(hook, "field_comments", lambda *_: ({**described, "watermark": ""}, groups))
+    with caplog.at_level(logging.WARNING, logger="mkdocs.hooks.vramguard"):
+        page = hook.settings_reference()
+    assert "`VRAMGUARD_WATERMARK`" in page
+    assert [r.getMessage() for r in caplog.records] == [
+        "shared/settings.py: setting watermark has no comment beside it to describe it"]
