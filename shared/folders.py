@@ -164,8 +164,18 @@ def folder_entry(path: str | Path, dtype: str | None = None) -> dict[str, Any]:
     return {**_ENTRIES[model.kind](model, options), "options": options}
 
 
+def has_chat_template(folder: Path) -> bool:
+    """Whether the tokenizer in `folder` has a chat template: a chat_template.jinja or .json file, or
+    a `chat_template` in tokenizer_config.json (where transformers' AutoTokenizer finds one)."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    return config.is_file() and bool(_read_json(config).get("chat_template"))
+
+
 def _generate_entry(model: FolderModel, options: dict[str, str | int | float | bool]) -> dict[str, Any]:
     options["generates"] = True
+    options["chat"] = has_chat_template(model.path)  # without one: /v1/completions only
     return {
         "backend": "vramguard.worker.generate.causal_lm:CausalLMBackend",
         "description": f"{model.architecture} text generation from {model.path}: POST /v1/chat/completions "
