@@ -55,6 +55,8 @@ class FolderModel:
     architecture: str
     dtype: str
     config: dict[str, Any]
+    transformer_dir: Path  # where config.json, the weights and the tokenizer are: `path`, or a
+    # sentence-transformers folder's Transformer module (older ones keep it in 0_Transformer/)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -93,18 +95,43 @@ def classify(path: str | Path) -> FolderModel:
                           + ("; transformers can de-quantize a GGUF file into one (save_pretrained)" if kind else ""))
     folder = folder.resolve()
     modules = folder / "modules.json"
-    if not (folder / "config.json").is_file():
-        raise FolderError(f"{folder}: no config.json ({_found(folder)}); {SUPPORTED}")
-    config = _read_json(folder / "config.json")
+    inner = _transformer_dir(folder) if modules.is_file() else folder
+    if not (inner / "config.json").is_file():
+        raise FolderError(f"{inner}: no config.json ({_found(inner)}); {SUPPORTED}")
+    config = _read_json(inner / "config.json")
     architectures = config.get("architectures") or []
     architecture = str(architectures[0]) if isinstance(architectures, list) and architectures else ""
     kind = "embed" if modules.is_file() else _kind_of(folder, architecture, config)
-    _check_weights(folder, kind, architecture)
-    if kind != "classify_image" and not any((folder / name).is_file() for name in TOKENIZER_FILES):
-        raise FolderError(f"{folder}: {architecture or 'the model'} needs a tokenizer (tokenizer.json, "
-                          f"tokenizer_config.json, vocab files) and the folder has none ({_found(folder)})")
+    _check_weights(inner, kind, architecture)
+    if kind != "classify_image" and not any((inner / name).is_file() for name in TOKENIZER_FILES):
+        raise FolderError(f"{inner}: {architecture or 'the model'} needs a tokenizer (tokenizer.json, "
+                          f"tokenizer_config.json, vocab files) and the folder has none ({_found(inner)})")
     dtype = str(config.get("dtype") or config.get("torch_dtype") or "float32")
-    return FolderModel(folder, kind, architecture, dtype if dtype in DTYPES else "float32", config)
+    return FolderModel(folder, kind, architecture, dtype if dtype in DTYPES else "float32", config, inner)
+
+
+def _modules(folder: Path) -> list[dict[str, Any]]:
+    """modules.json's modules (sentence-transformers' pipeline, in order); [] without the file.
+    Raises FolderError for a file that is not a JSON list."""
+    path = folder / "modules.json"
+    if not path.is_file():
+        return []
+    try:
+        modules = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise FolderError(f"{path}: not readable JSON ({type(exc).__name__}: {exc})".replace("\n", " ")) from None
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise FolderError(f"{path}: expected a JSON list of modules")
+    return modules
+
+
+def _transformer_dir(folder: Path) -> Path:
+    """The folder of a sentence-transformers folder's Transformer module (modules.json's first
+    module whose type ends with Transformer; its `path` is "" in current folders), else `folder`."""
+    for module in _modules(folder):
+        if str(module.get("type", "")).endswith("Transformer"):
+            return (folder / str(module.get("path", ""))).resolve()
+    return folder
 
 
 def _kind_of(folder: Path, architecture: str, config: dict[str, Any]) -> str:
@@ -178,8 +205,8 @@ def _generate_entry(model: FolderModel, options: dict[str, str | int | float | b
     options["chat"] = has_chat_template(model.path)  # without one: /v1/completions only
     return {
         "backend": "vramguard.worker.generate.causal_lm:CausalLMBackend",
-        "description": f"{model.architecture} text generation from {model.path}: POST /v1/chat/completions "
-                       "and /v1/completions, streamed or not",
+        "description": f"{model.architecture} text generation from {model.path}: POST "
+                       + ("/v1/chat/completions and " if options["chat"] else "") + "/v1/completions, streamed or not",
         "input_kind": "json",
         "output": {"kind": "json", "keys": ["next_token"], "description": "the next token after the prompt: "
                    "the worker's warm-up check (the native route refuses generative models)"},
@@ -193,9 +220,7 @@ def embedding_dimension(model: FolderModel) -> int:
     """The length of one embedding: a Dense module's out_features when modules.json has one (the
     last), else the pooling's word_embedding_dimension times its pooling modes, else hidden_size."""
     width = int(model.config.get("hidden_size") or model.config.get("d_model") or 0)
-    modules_file = model.path / "modules.json"
-    modules = json.loads(modules_file.read_text(encoding="utf-8")) if modules_file.is_file() else []
-    for module in modules if isinstance(modules, list) else []:
+    for module in _modules(model.path):
         kind, sub = str(module.get("type", "")), model.path / str(module.get("path", ""))
         if kind.endswith("Pooling") and (sub / "config.json").is_file():
             pooling = _read_json(sub / "config.json")
@@ -211,7 +236,7 @@ def embedding_dimension(model: FolderModel) -> int:
 def token_window(model: FolderModel) -> int:
     """An encoder's token window: sentence_bert_config.json's max_seq_length, else the position
     embeddings (at most DEFAULT_ENCODER_WINDOW when the config names more, as BERT-style models use)."""
-    st_config = model.path / "sentence_bert_config.json"
+    st_config = model.transformer_dir / "sentence_bert_config.json"
     if st_config.is_file():
         length = _read_json(st_config).get("max_seq_length")
         if isinstance(length, int) and length >= 3:
@@ -222,8 +247,7 @@ def token_window(model: FolderModel) -> int:
 
 
 def _normalises(model: FolderModel) -> bool:
-    modules_file = model.path / "modules.json"
-    return modules_file.is_file() and "sentence_transformers.models.Normalize" in modules_file.read_text()
+    return any(str(module.get("type", "")).endswith("Normalize") for module in _modules(model.path))
 
 
 def _embed_entry(model: FolderModel, options: dict[str, str | int | float | bool]) -> dict[str, Any]:

@@ -61,6 +61,21 @@ def test_a_dense_module_sets_the_embedding_length(tmp_path: Path) -> None:
     assert folder_spec("dense", folder).output.shape == (128,)
 
 
+def test_an_older_sentence_transformers_folder_keeps_its_encoder_in_0_transformer(tmp_path: Path) -> None:
+    folder = tmp_path / "old-st"
+    inner = _folder(folder / "0_Transformer", "BertModel", hidden_size=768)
+    (inner / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "0_Transformer", "type": "sentence_transformers.models.Transformer"}]))
+    model = classify(folder)
+    assert model.kind == "embed" and model.transformer_dir == inner.resolve()
+    spec = folder_spec("old", folder)
+    assert spec.max_input_tokens == 128 and spec.output.shape == (768,) and "L2" not in spec.description
+    (folder / "modules.json").write_text("[{")
+    with pytest.raises(FolderError, match=r"modules.json: not readable JSON \(JSONDecodeError"):
+        classify(folder)
+
+
 def test_dtype_from_the_config_else_given(tmp_path: Path) -> None:
     folder = _folder(tmp_path / "lm", "LlamaForCausalLM", torch_dtype="bfloat16")
     assert folder_spec("lm", folder).options["dtype"] == "bfloat16"
