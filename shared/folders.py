@@ -97,6 +97,10 @@ def classify(path: str | Path) -> FolderModel:
     modules = folder / "modules.json"
     inner = _transformer_dir(folder) if modules.is_file() else folder
     if not (inner / "config.json").is_file():
+        foreign = _foreign(inner)
+        if foreign:  # a folder of GGUF (or ONNX...) files, as llama.cpp or an exporter leaves them
+            raise FolderError(f"{inner}: no config.json, weights only as {', '.join(foreign)}, a format transformers "
+                              "cannot load here; de-quantize or convert it and save it with save_pretrained")
         raise FolderError(f"{inner}: no config.json ({_found(inner)}); {SUPPORTED}")
     config = _read_json(inner / "config.json")
     architectures = config.get("architectures") or []

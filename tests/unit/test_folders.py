@@ -94,6 +94,8 @@ def test_dtype_from_the_config_else_given(tmp_path: Path) -> None:
                                             r"found config.json\)"),
     (lambda p: _folder(p, "LlamaForCausalLM", ("model.gguf",)), r"weights only as GGUF \(model.gguf\), a format "
                                                                  r"transformers cannot load here"),
+    (lambda p: (p / "SmolLM2.Q4_1.gguf").write_bytes(b"") or p, r": no config.json, weights only as GGUF "
+                                                                 r"\(SmolLM2.Q4_1.gguf\), a format transformers"),
     (lambda p: _folder(p, "T5ForConditionalGeneration"), r"architecture T5ForConditionalGeneration \(model_type "
                                                          r"test\), which vramguard does not serve; supported"),
     (lambda p: _folder(p, "LlamaForCausalLM", ("model.safetensors",)), r"LlamaForCausalLM needs a tokenizer"),
