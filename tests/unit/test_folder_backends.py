@@ -20,8 +20,8 @@ from vramguard.worker.memory.profile import main as profile_main
 from vramguard.worker.models import check_output, create_backend
 
 
-def _settings(tmp_path: Path, folder: Path) -> Settings:
-    (tmp_path / "models.toml").write_text(f'[tiny]\npath = "{folder}"\n')
+def _settings(tmp_path: Path, folder: Path, extra: str = "") -> Settings:
+    (tmp_path / "models.toml").write_text(f'[tiny]\npath = "{folder}"\n{extra}')
     return Settings(model="tiny", served_models=["tiny"], models_file=str(tmp_path / "models.toml"))
 
 
@@ -64,6 +64,17 @@ def test_a_text_classifier_folder_refuses_a_text_over_its_window_unless_truncate
     (item,) = backend.decode(["good " * 200], {"truncate": True})
     assert backend.item_cost(item) == 64
     assert [d["label"] for d in _outputs(backend, [item])[0]["labels"]] != []  # type: ignore[index]
+
+
+def test_the_dtype_of_a_models_file_entry_is_the_dtype_the_weights_load_in(tmp_path: Path) -> None:
+    import torch
+
+    settings = _settings(tmp_path, build_tiny_classifier(tmp_path / "cls"), 'dtype = "bfloat16"\n')
+    backend = create_backend(settings, "cpu")
+    backend.load()
+    assert next(backend._model.parameters()).dtype == torch.bfloat16  # type: ignore[attr-defined]
+    (output,) = _outputs(backend, backend.decode(["good movie"], {}))
+    check_output(settings.spec_for("tiny"), output)
 
 
 def test_a_plain_encoder_folder_embeds_by_mean_pooling(tmp_path: Path) -> None:
