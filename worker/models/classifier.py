@@ -27,14 +27,15 @@ from vramguard.shared.errors import InputTooLargeError, InputTooLongError, Inval
 from vramguard.shared.models import ModelConfig, ModelSpec
 from vramguard.shared.settings import Settings
 from vramguard.worker.models.efficientnet import (
-    _DECODE_ERRORS,
+    DECODE_ERRORS,
     FORMAT_NAMES,
     FORMATS,
     MAX_PIXELS,
-    _check_decoding_cost,
-    _to_rgb,
+    check_decoding_cost,
+    to_rgb,
 )
 from vramguard.worker.models.embedding import special_tokens
+from vramguard.worker.models.labels import top_labels
 
 DEFAULT_TOP_K = 5
 
@@ -92,14 +93,7 @@ class _Classifier:
 
     def encode(self, item: object, output: object) -> object:
         assert isinstance(item, ClassifyItem) and isinstance(output, np.ndarray)
-        if self._multi_label:
-            probabilities = 1.0 / (1.0 + np.exp(-output))
-        else:
-            shifted = np.exp(output - output.max())
-            probabilities = shifted / shifted.sum()
-        best = np.argsort(-probabilities, kind="stable")[: item.top_k]
-        return {"labels": [{"label": self.labels[k], "index": int(k), "probability": float(probabilities[k])}
-                           for k in best]}
+        return {"labels": top_labels(output, self.labels, item.top_k, multi_label=self._multi_label)}
 
 
 class TextClassifierBackend(_Classifier):
@@ -249,12 +243,12 @@ def _open_rgb(blob: bytes, index: int) -> Image.Image:
             if width * height > MAX_PIXELS:
                 raise InputTooLargeError(
                     f"inputs[{index}]: image of {width}x{height} pixels; at most {MAX_PIXELS} pixels are decoded")
-            _check_decoding_cost(image, blob, index)
-            return _to_rgb(image)
+            check_decoding_cost(image, blob, index)
+            return to_rgb(image)
     except Image.DecompressionBombError as exc:
         raise InputTooLargeError(f"inputs[{index}]: {exc}") from None
     except UnidentifiedImageError:
         raise InvalidInputError(
             f"inputs[{index}]: not an image in a format this model takes ({FORMAT_NAMES})") from None
-    except _DECODE_ERRORS:  # Pillow's own text names internals: not for clients
+    except DECODE_ERRORS:  # Pillow's own text names internals: not for clients
         raise InvalidInputError(f"inputs[{index}]: a truncated or corrupt image file") from None
