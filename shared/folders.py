@@ -187,7 +187,9 @@ def looks_like_path(value: str) -> bool:
 def folder_entry(path: str | Path, dtype: str | None = None) -> dict[str, Any]:
     """The catalogue entry (ModelSpec's fields as plain data, less `name`) serving the folder at
     `path` with weights in `dtype` (one of DTYPES; None: the config's). Its options name the folder
-    (`path`, absolute) and the dtype. Raises FolderError (see classify, and a dtype not in DTYPES)."""
+    (`path`, absolute) and the dtype; its description names the folder by its name only, as clients
+    read it (GET /v1/models) and need not learn the server's paths. Raises FolderError (see
+    classify, and a dtype not in DTYPES)."""
     if dtype is not None and dtype not in DTYPES:
         raise FolderError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
     model = classify(path)
@@ -209,7 +211,7 @@ def _generate_entry(model: FolderModel, options: dict[str, str | int | float | b
     options["chat"] = has_chat_template(model.path)  # without one: /v1/completions only
     return {
         "backend": "vramguard.worker.generate.causal_lm:CausalLMBackend",
-        "description": f"{model.architecture} text generation from {model.path}: POST "
+        "description": f"{model.architecture} text generation (folder {model.path.name}): POST "
                        + ("/v1/chat/completions and " if options["chat"] else "") + "/v1/completions, streamed or not",
         "input_kind": "json",
         "output": {"kind": "json", "keys": ["next_token"], "description": "the next token after the prompt: "
@@ -259,7 +261,7 @@ def _embed_entry(model: FolderModel, options: dict[str, str | int | float | bool
     norm = "L2-normalised " if _normalises(model) else ""
     return {
         "backend": "vramguard.worker.models.embedding:SentenceEmbeddingBackend",
-        "description": f"{norm}sentence embeddings, float32[{width}] per input, from {model.path}",
+        "description": f"{norm}sentence embeddings, float32[{width}] per input (folder {model.path.name})",
         "input_kind": "text",
         "output": {"kind": "tensor", "datatype": "float32", "shape": [width],
                    "description": f"{norm}embedding, float32[{width}] per input"},
@@ -278,7 +280,8 @@ LABELS_OUTPUT = {"kind": "json", "keys": ["labels"],
 def _classify_text_entry(model: FolderModel, options: dict[str, str | int | float | bool]) -> dict[str, Any]:
     return {
         "backend": "vramguard.worker.models.classifier:TextClassifierBackend",
-        "description": f"{model.architecture} text classification ({_label_count(model)} labels) from {model.path}",
+        "description": f"{model.architecture} text classification, {_label_count(model)} labels "
+                       f"(folder {model.path.name})",
         "input_kind": "text",
         "output": LABELS_OUTPUT,
         "defaults": {"max_batch_size": 32, "max_wait_ms": 5.0},
@@ -293,8 +296,8 @@ def _classify_text_entry(model: FolderModel, options: dict[str, str | int | floa
 def _classify_image_entry(model: FolderModel, options: dict[str, str | int | float | bool]) -> dict[str, Any]:
     return {
         "backend": "vramguard.worker.models.classifier:ImageClassifierBackend",
-        "description": f"{model.architecture} image classification ({_label_count(model)} labels) from "
-                       f"{model.path}; JPEG/PNG/WebP/GIF/BMP images",
+        "description": f"{model.architecture} image classification, {_label_count(model)} labels (folder "
+                       f"{model.path.name}); JPEG/PNG/WebP/GIF/BMP images",
         "input_kind": "bytes",
         "raw_content_types": ["image/jpeg", "image/png", "image/webp", "image/gif", "image/bmp",
                               "application/octet-stream"],

@@ -77,3 +77,20 @@ def test_check_describes_a_servable_folder_and_the_packages_its_backend_needs() 
     assert "served as minilm-folder, float32" in done.stdout
     assert "ok   packages: minilm-folder: torch, transformers, sentence_transformers installed" in done.stdout
     assert "ok   placement: worker-minilm-folder-cpu: 1 x minilm-folder on the CPU" in done.stdout, done.stdout
+
+
+def test_up_shows_a_completions_curl_for_a_causal_lm_folder_without_a_chat_template(tmp_path: Path) -> None:
+    from vramguard.cli.up import try_it
+    from vramguard.shared.settings import Settings
+
+    (tmp_path / "lm").mkdir()
+    (tmp_path / "lm" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "model_type": "llama"}')
+    for name in ("model.safetensors", "tokenizer.json"):
+        (tmp_path / "lm" / name).write_bytes(b"")
+    (tmp_path / "models.toml").write_text('[lm]\npath = "lm"\n')
+    settings = Settings(model="lm", served_models=["lm"], models_file=str(tmp_path / "models.toml"))
+    line = try_it(settings, "lm", "8000")
+    assert "http://127.0.0.1:8000/v1/completions" in line and "chat" not in line and '"prompt"' in line, line
+    (tmp_path / "lm" / "chat_template.jinja").write_text("{{ messages }}")
+    settings = Settings(model="lm", served_models=["lm"], models_file=str(tmp_path / "models.toml"))
+    assert "/v1/chat/completions" in try_it(settings, "lm", "8000")

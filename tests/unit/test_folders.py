@@ -45,7 +45,8 @@ def test_the_sentence_transformers_folder_of_minilm_is_an_embedding_model_of_384
     assert spec.output.shape == (384,) and spec.outputs[0].shape == (-1, 384)
     assert spec.max_input_tokens == 256 and "truncate" in spec.parameters
     assert spec.options == {"path": str(MINILM), "dtype": "float32"}
-    assert "L2-normalised" in spec.description
+    assert "L2-normalised" in spec.description and "(folder model)" in spec.description
+    assert str(MINILM) not in spec.description  # clients read it; the server's paths are not theirs
 
 
 def test_a_dense_module_sets_the_embedding_length(tmp_path: Path) -> None:

@@ -477,6 +477,9 @@ def try_it(settings: Settings, model: str, port: str) -> str:
     spec = settings.spec_for(model)
     url = f"http://127.0.0.1:{port}/v1/models/{model}"
     auth = " -H \"Authorization: Bearer $VRAMGUARD_API_KEY\"" if settings.api_key else ""
+    if spec.options.get("generates") and spec.options.get("chat") is False:  # a folder without a chat template
+        body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 32})
+        return f"  curl -s http://127.0.0.1:{port}/v1/completions{auth} -H 'Content-Type: application/json' -d '{body}'"
     if spec.options.get("generates"):  # a generative model speaks OpenAI's chat completions
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                            "max_tokens": 32, "stream": True})
