@@ -224,19 +224,32 @@ def _generate_entry(model: FolderModel, options: dict[str, str | int | float | b
 
 def embedding_dimension(model: FolderModel) -> int:
     """The length of one embedding: a Dense module's out_features when modules.json has one (the
-    last), else the pooling's word_embedding_dimension times its pooling modes, else hidden_size."""
-    width = int(model.config.get("hidden_size") or model.config.get("d_model") or 0)
+    last), else the pooling's word_embedding_dimension times its pooling modes, else hidden_size.
+    Raises FolderError when these are missing or not positive whole numbers."""
+    width = _size(model.config, ("hidden_size", "d_model"), 0, model.path / "config.json")
     for module in _modules(model.path):
         kind, sub = str(module.get("type", "")), model.path / str(module.get("path", ""))
         if kind.endswith("Pooling") and (sub / "config.json").is_file():
             pooling = _read_json(sub / "config.json")
             modes = sum(1 for key, on in pooling.items() if key.startswith("pooling_mode_") and on is True)
-            width = int(pooling.get("word_embedding_dimension", width)) * max(1, modes)
+            width = _size(pooling, ("word_embedding_dimension",), width, sub / "config.json") * max(1, modes)
         elif kind.endswith("Dense") and (sub / "config.json").is_file():
-            width = int(_read_json(sub / "config.json").get("out_features", width))
+            width = _size(_read_json(sub / "config.json"), ("out_features",), width, sub / "config.json")
     if width < 1:
         raise FolderError(f"{model.path}: cannot tell the embedding's length (no hidden_size in config.json)")
     return width
+
+
+def _size(config: dict[str, Any], keys: tuple[str, ...], default: int, where: Path) -> int:
+    """The first of `keys` present in `config`, a positive int, else `default`. Raises FolderError
+    naming the file and key for a value that is not one."""
+    for key in keys:
+        if config.get(key) is not None:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise FolderError(f"{where}: {key} is {value!r}, not a positive whole number")
+            return value
+    return default
 
 
 def token_window(model: FolderModel) -> int:
@@ -311,7 +324,8 @@ def _classify_image_entry(model: FolderModel, options: dict[str, str | int | flo
 
 def _label_count(model: FolderModel) -> int:
     labels = model.config.get("id2label")
-    return len(labels) if isinstance(labels, dict) else int(model.config.get("num_labels", 2))
+    count = model.config.get("num_labels")
+    return len(labels) if isinstance(labels, dict) else count if isinstance(count, int) else 2  # transformers' default
 
 
 _ENTRIES = {"generate": _generate_entry, "embed": _embed_entry, "classify_text": _classify_text_entry,

@@ -94,3 +94,25 @@ def test_up_shows_a_completions_curl_for_a_causal_lm_folder_without_a_chat_templ
     (tmp_path / "lm" / "chat_template.jinja").write_text("{{ messages }}")
     settings = Settings(model="lm", served_models=["lm"], models_file=str(tmp_path / "models.toml"))
     assert "/v1/chat/completions" in try_it(settings, "lm", "8000")
+
+
+def test_a_folder_whose_embedding_length_is_not_a_number_is_refused_in_one_line(tmp_path: Path) -> None:
+    import argparse
+    import json
+
+    from vramguard.cli.folder import FolderRefused, describe_folder
+
+    folder = tmp_path / "st"
+    (folder / "2_Dense").mkdir(parents=True)
+    (folder / "config.json").write_text('{"architectures": ["BertModel"], "hidden_size": 8}')
+    for name in ("model.safetensors", "tokenizer.json"):
+        (folder / name).write_bytes(b"")
+    (folder / "modules.json").write_text(json.dumps([
+        {"path": "", "type": "sentence_transformers.models.Transformer"},
+        {"path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (folder / "2_Dense" / "config.json").write_text('{"out_features": "384"}')
+    args = argparse.Namespace(model=str(folder), served_name=None, dtype=None, placement=None, backend=None)
+    with pytest.raises(FolderRefused, match=r"2_Dense/config.json: out_features is '384', not a positive whole"
+                                            r" number") as caught:
+        describe_folder(args, models_file_set=False)
+    assert "\n" not in str(caught.value)

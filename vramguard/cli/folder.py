@@ -54,26 +54,25 @@ def describe_folder(args: argparse.Namespace, models_file_set: bool) -> tuple[st
         raise FolderRefused("--model PATH serves one folder; it excludes --placement, --backend and "
                             "VRAMGUARD_MODELS_FILE (a models file takes a `path = \"...\"` entry instead)")
     try:
-        model = classify(args.model)
-        name = args.served_name or served_name(model.path)
-        spec = folder_spec(name if _valid_name(name) else "unnamed", model.path, args.dtype)
+        model = classify(args.model)  # what the path is comes first: a missing folder is named before its name
     except FolderError as exc:
         raise FolderRefused(str(exc)) from None
-    if not _valid_name(name):
+    name = args.served_name or served_name(model.path)
+    if not re.fullmatch(MODEL_NAME, name):
         raise FolderRefused(f"--served-name {name!r}: a model name is lower case letters, digits, '-' and '_', "
                             "starting with a letter")
     if name in BUILTIN:
         raise FolderRefused(f"served name {name!r} is a built-in model's; give the folder another with --served-name")
+    try:
+        spec = folder_spec(name, model.path, args.dtype)
+    except FolderError as exc:
+        raise FolderRefused(str(exc)) from None
     entry: dict[str, object] = {"path": str(model.path)}
     if args.dtype:
         entry["dtype"] = args.dtype
     line = (f"{model.path}: {model.architecture or 'sentence-transformers'} -> {KINDS[model.kind]}, "
             f"served as {name}, {spec.options['dtype']}")
     return name, entry, line
-
-
-def _valid_name(name: str) -> bool:
-    return re.fullmatch(MODEL_NAME, name) is not None
 
 
 def write_models_file(run_dir: Path, name: str, entry: dict[str, object]) -> Path:
