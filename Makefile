@@ -18,6 +18,8 @@ WORKERS_PER_GPU ?= $(WORKERS)
 GATEWAYS ?= 1
 GPUS ?=
 PLACEMENT ?=
+SERVED_NAME ?=
+DTYPE ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 PEER_VENV := bench/.venv-peer
@@ -29,7 +31,8 @@ TRITON_PYTHON ?= /usr/bin/python3.11
 .PHONY: up down status test test-fast lint bench docs docs-build clean help
 
 help:
-	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic] [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
+	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic|/path/to/hf-folder] [SERVED_NAME=...] [DTYPE=float32]"
+	@echo "        [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
 	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000]  start Redis, gateway and workers (foreground;"
 	@echo "                                               logs in .run/PORT/): vramguard up"
 	@echo "make down [PORT=8000] / make status            stop / show the stack of .run/PORT/ (vramguard down/status)"
@@ -59,7 +62,8 @@ $(VENV)/.test-installed: pyproject.toml docs/requirements.txt | $(VENV)/.install
 
 up: $(VENV)/.installed
 	$(BIN)/vramguard up --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) --gateways $(GATEWAYS) \
-		--port $(PORT) --run-dir $(RUN_DIR) $(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)")
+		--port $(PORT) --run-dir $(RUN_DIR) $(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)") \
+		$(if $(SERVED_NAME),--served-name "$(SERVED_NAME)") $(if $(DTYPE),--dtype "$(DTYPE)")
 
 down status: $(VENV)/.installed
 	$(BIN)/vramguard $@ --run-dir $(RUN_DIR)

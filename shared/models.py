@@ -17,6 +17,13 @@ Built-in models are in BUILTIN below; a user's models come from a TOML models fi
     parameters = { scale = { type = "number", description = "multiplies the output" } }
     inputs = [{ name = "input", datatype = "FP64", shape = [-1] }]      # the KServe v2 view,
     outputs = [{ name = "output", datatype = "FP32", shape = [-1, 3] }]  # optional
+
+or, for a local folder in the Hugging Face layout, just its path (relative to the models file's
+folder), an optional dtype, and any of the fields above to change (shared/folders.py decides the rest):
+
+    [bge-small]
+    path = "/models/bge-small-en-v1.5"
+    dtype = "float32"
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from typing import Literal
 
 import numpy
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, field_validator, model_validator
+
+from vramguard.shared.folders import FolderError, folder_entry
 
 # Every catalogue and model-config object: unknown keys refused, immutable, and no inf or nan
 # in a float (JSON, in logs and in GET /v1/models, cannot carry them; no knob means "forever").
@@ -343,11 +352,44 @@ BUILTIN: dict[str, ModelSpec] = {
 CATALOGUE = BUILTIN  # the built-in entries; Settings.catalogue adds the models file's
 
 
+def folder_spec(name: str, path: str | Path, dtype: str | None = None, **fields: object) -> ModelSpec:
+    """The catalogue entry serving the Hugging Face folder at `path` as `name` (shared/folders.py
+    decides its kind and backend): weights in `dtype` (float32, float16, bfloat16; None: the
+    config's), `fields` replacing the entry's own (description, defaults, ...). A text model with a
+    token window takes the `truncate` parameter, as minilm does.
+
+    Raises FolderError (one line: what the path holds, what is supported), ValidationError for
+    `fields` that make an invalid entry."""
+    entry: dict[str, object] = {**folder_entry(path, dtype), **fields, "name": name}
+    if entry.get("max_input_tokens") is not None:
+        entry["parameters"] = {"truncate": TRUNCATE, **dict(entry.get("parameters") or {})}  # type: ignore[call-overload]
+    return ModelSpec.model_validate(entry)
+
+
+def _entry_spec(path: str | Path, name: str, entry: dict[str, object]) -> ModelSpec:
+    """One table of a models file as a ModelSpec; a `path` table is a folder (folder_spec), its
+    path relative to the models file's folder. Raises ModelsFileError naming the file and entry."""
+    try:
+        if "path" not in entry:
+            return ModelSpec.model_validate({**entry, "name": name})
+        fields = dict(entry)
+        folder, dtype = fields.pop("path"), fields.pop("dtype", None)
+        if not isinstance(folder, str) or not (dtype is None or isinstance(dtype, str)):
+            raise ModelsFileError(f"models file {path}: [{name}] path and dtype are strings")
+        return folder_spec(name, Path(path).parent / Path(folder).expanduser(), dtype, **fields)
+    except FolderError as exc:
+        raise ModelsFileError(f"models file {path}: [{name}] {exc}") from None
+    except ValidationError as exc:
+        detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in exc.errors())
+        raise ModelsFileError(f"models file {path}: [{name}] {detail}") from None
+
+
 def load_models_file(path: str | Path) -> dict[str, ModelSpec]:
-    """The entries of a TOML models file by name (each table's name is the model's name).
+    """The entries of a TOML models file by name (each table's name is the model's name); a table
+    with `path` serves that Hugging Face folder (folder_spec).
 
     Raises ModelsFileError naming the file, and the entry and field, for a missing file, bad
-    TOML, an invalid entry or a name that a built-in model already has.
+    TOML, an invalid entry, a folder vramguard cannot serve or a name that a built-in model already has.
     """
     try:
         data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
@@ -359,9 +401,5 @@ def load_models_file(path: str | Path) -> dict[str, ModelSpec]:
             raise ModelsFileError(f"models file {path}: [{name}] is a built-in model's name; choose another")
         if not isinstance(entry, dict):
             raise ModelsFileError(f"models file {path}: {name!r} must be a table ([{name}])")
-        try:
-            specs[name] = ModelSpec.model_validate({**entry, "name": name})
-        except ValidationError as exc:
-            detail = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'entry'}: {e['msg']}" for e in exc.errors())
-            raise ModelsFileError(f"models file {path}: [{name}] {detail}") from None
+        specs[name] = _entry_spec(path, name, entry)
     return specs

@@ -65,6 +65,8 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         spec = settings.spec_for(body.model)
         if not spec.options.get("generates"):
             raise BadBodyError(f"model: {body.model!r} does not generate text")
+        if kind == "chat" and spec.options.get("chat") is False:  # a model folder without a chat template
+            raise BadBodyError(f"model: {body.model!r} has no chat template; use POST /v1/completions")
         window = int(spec.options.get("context_window", 0)) or None
         prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
         await _check_window(request, body.model, prompt, max_tokens, window)

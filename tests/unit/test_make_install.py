@@ -53,3 +53,9 @@ def test_make_up_and_down_call_the_vramguard_command_on_the_ports_run_folder(tmp
     up = ".venv/bin/vramguard up --model minilm --workers-per-gpu 1 --gateways 1 --port 8000 --run-dir .run/8000"
     assert up in plan, plan
     assert ".venv/bin/vramguard down --run-dir .run/8000" in plan
+
+
+def test_make_up_serves_a_model_folder_with_its_served_name_and_dtype(tmp_path: Path) -> None:
+    plan = dry_run(tmp_path, "", "up", "MODEL=/models/SmolLM2-135M-Instruct", "SERVED_NAME=chat", "DTYPE=float32")
+    assert ('.venv/bin/vramguard up --model /models/SmolLM2-135M-Instruct --workers-per-gpu 1' in plan
+            and '--served-name "chat" --dtype "float32"' in plan), plan

