@@ -1,9 +1,10 @@
 """OpenAI-compatible POST /v1/chat/completions and /v1/completions for generative models,
 streamed as server-sent events (`data: {chunk}` lines, then `data: [DONE]`) or answered whole.
 
-The worker sends a request's tokens as numbered chunks on this gateway's reply stream
-(worker/generate/progress.py); a chunk number already forwarded is dropped here, which is what
-makes a stream resumed by another worker after a crash free of repeats. A client that leaves
+The worker sends a request's tokens as chunks on this gateway's reply stream, each with the
+offset of its text (worker/generate/progress.py); only text that continues what was forwarded
+goes on (gateway/protocols/chunks.py), which is what keeps a stream resumed by another worker
+after a crash, or re-sent after a failed publish, free of repeats and gaps. A client that leaves
 (or reads slower than `STREAM_BOUND` chunks behind) gets its sequence stopped: the gateway sets
 the request's cancel key, which the worker checks every decode step. Never imports torch.
 """
@@ -23,16 +24,24 @@ from vramguard.gateway.admission.replies import ReplyStream
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.edge.disconnect import unless_disconnected
 from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
-from vramguard.gateway.protocols.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.protocols.chat_schema import ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.protocols.chunks import TextJoin
 from vramguard.gateway.protocols.prompt_tokens import PromptTokens
 from vramguard.gateway.protocols.render import FastJSONResponse
-from vramguard.shared.errors import DeadlineExceededError, UnavailableError, VramguardError, error_from_code
+from vramguard.shared.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    UnavailableError,
+    VramguardError,
+    error_from_code,
+)
 from vramguard.shared.models import MAX_CHARS_PER_TOKEN
 from vramguard.shared.protocol import ReplyMessage, RequestId
 
 CHAT_PATH = "/v1/chat/completions"
 TEXT_PATH = "/v1/completions"
 PATHS = (CHAT_PATH, TEXT_PATH)
+PROMPT_PARAM = {CHAT_PATH: "messages", TEXT_PATH: "prompt"}  # OpenAI's `param` of a context_length_exceeded
 STREAM_BOUND = 4096  # chunks waiting for a slow client before it is cut
 
 router = APIRouter(tags=["openai"])
@@ -68,8 +77,10 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         window = int(spec.options.get("context_window", 0)) or None
         prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
         await _check_window(request, body.model, prompt, max_tokens, window)
-        parameters: dict[str, object] = {"max_tokens": max_tokens, "temperature": body.temperature,
-                                         "top_p": body.top_p, "stop": body.stop_list()}
+        parameters: dict[str, object] = {"temperature": body.temperature, "top_p": body.top_p,
+                                         "stop": body.stop_list()}
+        if max_tokens is not None:  # else the worker generates up to the room the window leaves
+            parameters["max_tokens"] = max_tokens
         if body.seed is not None:
             parameters["seed"] = body.seed
         dispatcher = dispatcher_of(request)
@@ -83,7 +94,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
             return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
-            text, last = await unless_disconnected(request, _collect(stream, deadline))
+            text, last = await unless_disconnected(request, _collect(stream, deadline, request_id))
         except BaseException:
             await dispatcher.close_stream(body.model, request_id, cancel=True)
             raise
@@ -91,10 +102,12 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         return FastJSONResponse(view.whole(text, last))
 
 
-def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, window: int | None) -> tuple[object, int]:
-    """The prompt as the worker takes it (messages or a string) and max_tokens; raises
-    BadBodyError when max_tokens alone, or the prompt's characters, cannot fit the window (the
-    worker checks prompt tokens + max_tokens exactly, before generating anything)."""
+def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str,
+                           window: int | None) -> tuple[object, int | None]:
+    """The prompt as the worker takes it (messages or a string) and max_tokens (None: not given;
+    the worker then generates up to the room the window leaves, as vLLM does). Raises
+    BadBodyError when max_tokens alone cannot fit the window, ContextLengthExceededError when
+    the prompt's characters cannot (the worker checks the tokens exactly, before generating)."""
     if isinstance(body, ChatRequest):
         prompt: object = [m.model_dump(exclude_none=True, exclude={"name"}) for m in body.messages]
         chars = sum(len(m.content) for m in body.messages)
@@ -103,31 +116,35 @@ def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, win
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         chars = len(str(prompt))
         max_tokens = body.max_tokens
-    max_tokens = max_tokens or (min(DEFAULT_MAX_TOKENS[kind], window - 1) if window else DEFAULT_MAX_TOKENS[kind])
-    if window is not None and max_tokens >= window:
+    if window is not None and max_tokens is not None and max_tokens >= window:
         raise BadBodyError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's context window of "
                            f"{window} tokens")
     if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
         field = "messages" if isinstance(body, ChatRequest) else "prompt"
-        raise BadBodyError(f"{field}: {chars} characters cannot fit the model's context window of {window} tokens")
+        raise ContextLengthExceededError(f"This model's maximum context length is {window} tokens. However, your "
+                                         f"{field} ({chars} characters) cannot fit in it. Please reduce the length "
+                                         f"of the {field}.")
     return prompt, max_tokens
 
 
-async def _check_window(request: Request, model: str, prompt: object, max_tokens: int, window: int | None) -> None:
-    """BadBodyError when the prompt's tokens (counted as the worker counts them, when this gateway
-    can: gateway/protocols/prompt_tokens.py) plus max_tokens pass the context window."""
+async def _check_window(request: Request, model: str, prompt: object, max_tokens: int | None,
+                        window: int | None) -> None:
+    """ContextLengthExceededError (OpenAI's) when the prompt's tokens (counted as the worker
+    counts them, when this gateway can: gateway/protocols/prompt_tokens.py), plus max_tokens when
+    given, pass the context window; without max_tokens, when the prompt leaves no room."""
     counter: PromptTokens = request.app.state.prompt_tokens
     tokens = await counter.count(model, prompt) if window is not None else None
-    if tokens is not None and window is not None and tokens + max_tokens > window:
-        raise BadBodyError(f"max_tokens: the prompt has {tokens} tokens and max_tokens is {max_tokens}: "
-                           f"{tokens + max_tokens} tokens is over the model's context window of {window}")
+    if tokens is None or window is None:
+        return
+    if tokens + (max_tokens or 0) > window or max_tokens is None and tokens >= window:
+        raise ContextLengthExceededError.of(window, tokens, max_tokens, chat=not isinstance(prompt, str))
 
 
-async def _chunks(stream: ReplyStream, deadline: float) -> AsyncIterator[dict[str, object]]:
-    """The request's chunks in order, each once (a chunk number already seen is a resumed
-    worker's re-send); ends after the chunk with a finish_reason. Raises the worker's error,
-    DeadlineExceededError, ClientTooSlowError."""
-    last = 0
+async def _chunks(stream: ReplyStream, deadline: float, request_id: str) -> AsyncIterator[dict[str, object]]:
+    """The request's chunks in order, cut so that each character comes once (TextJoin); ends
+    after the chunk with a finish_reason. Raises the worker's error, DeadlineExceededError (a
+    gap never filled ends so too), ClientTooSlowError, StreamGapError."""
+    join = TextJoin(request_id, STREAM_BOUND)
     while True:
         try:
             reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
@@ -138,18 +155,18 @@ async def _chunks(stream: ReplyStream, deadline: float) -> AsyncIterator[dict[st
         if not reply.ok:
             raise error_from_code(reply.error_code or "model_error", reply.error_message or "")
         chunk = reply.outputs[0] if reply.outputs else None
-        if not isinstance(chunk, dict) or int(chunk["chunk"]) <= last:
+        if not isinstance(chunk, dict):
             continue
-        last = int(chunk["chunk"])
-        yield chunk
-        if chunk["finish_reason"] is not None:
+        for forwarded in join.add(chunk):
+            yield forwarded
+        if join.finished:
             return
 
 
-async def _collect(stream: ReplyStream, deadline: float) -> tuple[str, dict[str, object]]:
+async def _collect(stream: ReplyStream, deadline: float, request_id: str) -> tuple[str, dict[str, object]]:
     parts: list[str] = []
     last: dict[str, object] = {}
-    async for chunk in _chunks(stream, deadline):
+    async for chunk in _chunks(stream, deadline, request_id):
         parts.append(str(chunk["text"]))
         last = chunk
     return "".join(parts), last
@@ -164,7 +181,7 @@ async def _events(request: Request, stream: ReplyStream, view: _View, deadline: 
     open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
     try:
         yield _sse(view.delta("", None, first=True))
-        async for chunk in _chunks(stream, deadline):
+        async for chunk in _chunks(stream, deadline, view.request_id):
             yield _sse(view.delta(str(chunk["text"]), chunk["finish_reason"]))
             if chunk["finish_reason"] is not None and include_usage:
                 yield _sse(view.usage_only(chunk))
