@@ -199,6 +199,23 @@ def test_bad_bodies_refused_before_queueing(gen: GenStack) -> None:
     assert gen.last_entry_id() == before
 
 
+def test_an_over_long_prompt_gets_openais_context_length_exceeded_streamed_or_not(gen: GenStack) -> None:
+    """The gateway counts the prompt with the tokenizer the worker published: 1,500 words plus
+    max_tokens 1000 pass the 2048-token window, refused before anything is queued or streamed."""
+    before = gen.last_entry_id()
+    for stream in (False, True):
+        with _client(gen) as client, pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 1500}],
+                                           max_tokens=1000, stream=stream)
+        error = caught.value
+        assert error.code == "context_length_exceeded" and error.param == "messages", error.body
+        assert isinstance(error.body, dict) and error.body["message"].startswith(
+            "This model's maximum context length is 2048 tokens. However, you requested 25"), error.body
+        assert error.body["message"].endswith(" in the messages, 1000 in the completion). Please reduce the length "
+                                              "of the messages or completion."), error.body
+    assert gen.last_entry_id() == before
+
+
 def test_neutral_openai_values_are_answered_as_the_plain_body(gen: GenStack) -> None:
     """logprobs false, penalties 0, role developer (OpenAI's newer name for system) and content as
     a list of text parts (joined by newlines) ask for nothing this server lacks: greedy decoding

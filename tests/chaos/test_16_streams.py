@@ -145,7 +145,8 @@ async def faults() -> AsyncIterator[Callable[..., Faults]]:
 
 async def test_a_stalled_worker_whose_entry_was_reclaimed_stops_and_the_text_is_whole(
         stack: Stack, faults: Callable[..., Faults]) -> None:
-    f = faults(stack, 2)
+    # The stalled worker's step is timed by the hang guard: a limit far past the stall.
+    f = faults(stack, 2, forward_timeout_s=120.0)
     await stack.wait_ready()
     stalled: list[int] = []
 
