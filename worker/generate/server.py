@@ -25,13 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from vramguard.shared.clock import monotonic_ms, now_ms
-from vramguard.shared.errors import (
-    ContextLengthExceededError,
-    DeadlineExceededError,
-    InputTooLargeError,
-    InvalidInputError,
-    ModelError,
-)
+from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError, ModelError
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
@@ -45,6 +39,7 @@ from vramguard.worker.generate.progress import cancelled as cancel_flags
 from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
+from vramguard.worker.generate.window import completion_bound
 from vramguard.worker.health.hang import HangGuard
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
@@ -169,8 +164,10 @@ class GenerationServer:
             raise DeadlineExceededError("deadline passed before the sequence started")
         params = msg.parameters
         prompt = await self._threads.run(self._backend.prompt_ids, msg.inputs[0] if msg.inputs else None, params)
-        max_tokens = self._max_tokens(prompt, params.get("max_tokens"), chat=bool(msg.inputs) and
-                                      isinstance(msg.inputs[0], list))
+        given = params.get("max_tokens")
+        max_tokens = completion_bound(len(prompt), None if given is None else int(cast(int, given)),
+                                      self.plan.context_window, self.plan.tokens_fit,
+                                      chat=bool(msg.inputs) and isinstance(msg.inputs[0], list))
         if not self.plan.admits([], len(prompt) + max_tokens):
             raise InputTooLargeError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens; the KV cache "
                                      f"holds {self.plan.tokens_fit} tokens")
@@ -183,21 +180,6 @@ class GenerationServer:
                        stop=tuple(str(s) for s in cast(list[object], params.get("stop", []))))
         await self._resume(redis, seq)
         return seq
-
-    def _max_tokens(self, prompt: list[int], given: object, *, chat: bool) -> int:
-        """The completion's bound: `given` (the request's max_tokens), or without one the room the
-        context window leaves after the prompt, as vLLM does (and no more than the KV plan holds
-        for one sequence). Raises ContextLengthExceededError (OpenAI's) when the prompt, or the
-        prompt plus `given`, does not fit the window."""
-        window = self.plan.context_window
-        if given is None:
-            if len(prompt) >= window:
-                raise ContextLengthExceededError.of(window, len(prompt), None, chat=chat)
-            return max(1, min(window, self.plan.tokens_fit) - len(prompt))
-        max_tokens = int(cast(int, given))
-        if len(prompt) + max_tokens > window:
-            raise ContextLengthExceededError.of(window, len(prompt), max_tokens, chat=chat)
-        return max_tokens
 
     async def _resume(self, redis: aioredis.Redis, seq: Sequence) -> None:
         """Take a dead worker's progress for `seq`: its tokens, last chunk and seed."""
@@ -449,7 +431,8 @@ class GenerationServer:
             finished = [self._keys.generation_progress(self._model, s.request_id) for s in progress_of
                         if s.entry_id in entry_ids]
         except RedisError as exc:
-            log.error("publish failed; sent again later", extra={"error": str(exc)})
+            # Chunks are sent again by _send's caller; other replies' entries stay pending for reclaim.
+            log.error("publish failed", extra={"error": str(exc)})
             return False
         try:
             if finished:
