@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -173,6 +174,12 @@ async def test_a_stalled_worker_whose_entry_was_reclaimed_stops_and_the_text_is_
     await wait_until(lambda: sum(map(len, finished().values())) > 0, 30, interval_s=0.2)
     assert finished()[stalled[0]] == [] and sum(map(len, finished().values())) == 1, finished()  # the successor's
     assert all(p.poll() is None for p in f.workers)  # the stalled worker stopped the sequence, not itself
+
+    def counted() -> bool:  # /metrics reads the heartbeats the gateway last fetched: allow it a refresh
+        text = httpx.get(stack.url + "/metrics").text
+        return re.search(r"^vramguard_generation_lost_total\{[^}]*\} 1\.0$", text, re.M) is not None
+
+    await wait_until(counted, 30, interval_s=0.5)
 
 
 async def test_a_step_that_never_returns_ends_its_worker_and_another_finishes_the_stream(
