@@ -91,7 +91,9 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         view = _View(kind, body.model, request_id)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
+            first = await _opening(request, body.model, stream, deadline, request_id)
+            return StreamingResponse(_events(request, stream, view, deadline, usage, first),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
             text, last = await unless_disconnected(request, _collect(stream, deadline, request_id))
@@ -140,21 +142,53 @@ async def _check_window(request: Request, model: str, prompt: object, max_tokens
         raise ContextLengthExceededError.of(window, tokens, max_tokens, chat=not isinstance(prompt, str))
 
 
-async def _chunks(stream: ReplyStream, deadline: float, request_id: str) -> AsyncIterator[dict[str, object]]:
-    """The request's chunks in order, cut so that each character comes once (TextJoin); ends
-    after the chunk with a finish_reason. Raises the worker's error, DeadlineExceededError (a
-    gap never filled ends so too), ClientTooSlowError, StreamGapError."""
+async def _next_reply(stream: ReplyStream, deadline: float) -> ReplyMessage:
+    """The stream's next reply. Raises DeadlineExceededError, ClientTooSlowError."""
+    try:
+        reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise DeadlineExceededError("the generation did not finish before its deadline") from None
+    if stream.overflowed:
+        raise ClientTooSlowError(f"the client read more than {STREAM_BOUND} chunks behind; stream cut")
+    return reply
+
+
+async def _opening(request: Request, model: str, stream: ReplyStream, deadline: float,
+                   request_id: RequestId) -> ReplyMessage:
+    """A streamed request's first reply, awaited before the response starts: a refusal (a prompt
+    the worker counted over the window, a deadline, no room even alone) is then answered with its
+    own HTTP status and OpenAI's error body, as OpenAI answers a streamed request it refuses, not
+    as an event after a 200. Raises the worker's error (with the request id)."""
+    dispatcher = dispatcher_of(request)
+    open_streams(request.app)[request_id] = stream  # a gateway shutting down ends this wait too
+    try:
+        reply = await unless_disconnected(request, _next_reply(stream, deadline))
+    except BaseException:
+        open_streams(request.app).pop(request_id, None)
+        await dispatcher.close_stream(model, request_id, cancel=True)
+        raise
+    if not reply.ok:
+        open_streams(request.app).pop(request_id, None)
+        await dispatcher.close_stream(model, request_id, cancel=False)
+        raise error_from_code(reply.error_code or "model_error", reply.error_message or "", request_id=request_id)
+    return reply
+
+
+async def _chunks(stream: ReplyStream, deadline: float, request_id: str,
+                  first: ReplyMessage | None = None) -> AsyncIterator[dict[str, object]]:
+    """The request's chunks in order (`first`, when the caller already took it, then the
+    stream's), cut so that each character comes once (TextJoin); ends after the chunk with a
+    finish_reason. Raises the worker's error, DeadlineExceededError (a gap never filled ends so
+    too), ClientTooSlowError, StreamGapError."""
     join = TextJoin(request_id, STREAM_BOUND)
+    reply = first
     while True:
-        try:
-            reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceededError("the generation did not finish before its deadline") from None
-        if stream.overflowed:
-            raise ClientTooSlowError(f"the client read more than {STREAM_BOUND} chunks behind; stream cut")
+        if reply is None:
+            reply = await _next_reply(stream, deadline)
         if not reply.ok:
             raise error_from_code(reply.error_code or "model_error", reply.error_message or "")
         chunk = reply.outputs[0] if reply.outputs else None
+        reply = None
         if not isinstance(chunk, dict):
             continue
         for forwarded in join.add(chunk):
@@ -173,15 +207,16 @@ async def _collect(stream: ReplyStream, deadline: float, request_id: str) -> tup
 
 
 async def _events(request: Request, stream: ReplyStream, view: _View, deadline: float,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body. Whatever ends it early (the client leaving cancels this generator; an
-    error) stops the worker's sequence through its cancel key."""
+                  include_usage: bool, first: ReplyMessage) -> AsyncIterator[bytes]:
+    """The SSE body, from the stream's `first` reply on (_opening took it). Whatever ends it
+    early (the client leaving cancels this generator; an error) stops the worker's sequence
+    through its cancel key."""
     dispatcher = dispatcher_of(request)
     finished = False
     open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
     try:
         yield _sse(view.delta("", None, first=True))
-        async for chunk in _chunks(stream, deadline, view.request_id):
+        async for chunk in _chunks(stream, deadline, view.request_id, first):
             yield _sse(view.delta(str(chunk["text"]), chunk["finish_reason"]))
             if chunk["finish_reason"] is not None and include_usage:
                 yield _sse(view.usage_only(chunk))
