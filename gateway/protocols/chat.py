@@ -75,7 +75,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         if not spec.options.get("generates"):
             raise BadBodyError(f"model: {body.model!r} does not generate text")
         window = int(spec.options.get("context_window", 0)) or None
-        prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
+        prompt, max_tokens = _prompt_and_max_tokens(body, window)
         await _check_window(request, body.model, prompt, max_tokens, window)
         parameters: dict[str, object] = {"temperature": body.temperature, "top_p": body.top_p,
                                          "stop": body.stop_list()}
@@ -104,8 +104,7 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         return FastJSONResponse(view.whole(text, last))
 
 
-def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str,
-                           window: int | None) -> tuple[object, int | None]:
+def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, window: int | None) -> tuple[object, int | None]:
     """The prompt as the worker takes it (messages or a string) and max_tokens (None: not given;
     the worker then generates up to the room the window leaves, as vLLM does). Raises
     BadBodyError when max_tokens alone cannot fit the window, ContextLengthExceededError when
