@@ -39,6 +39,7 @@ async def client(stack: Stack, tmp_path: Path) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="unused", timeout=120, max_retries=0)
 
 
+@pytest.mark.slow  # two processes' start and 20 requests: about 20 s on 2 busy cores
 @pytest.mark.timeout(180)
 async def test_context_window_room_and_openai_context_length_exceeded(client: openai.AsyncOpenAI) -> None:
     """1. Without max_tokens a 3-token prompt generates the 61 tokens the window leaves, on both routes.
