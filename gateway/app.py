@@ -45,6 +45,7 @@ from vramguard.gateway.routes import (
 )
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import (
+    ContextLengthExceededError,
     DeadlineExceededError,
     ModelError,
     QueueFullError,
@@ -231,7 +232,9 @@ def render_error(
     # A path no route serves (404) under /v1/ gets OpenAI's shape: an `openai` client of a route we
     # lack reads it. A wrong method (405) names a route we have: its own shape.
     elif _is_openai_route(path) or unrouted and status == 404 and path.startswith("/v1/"):
-        body = openai_compat.error_body(status, code, message, request_id)
+        # OpenAI names the field a context_length_exceeded is about; clients (LiteLLM) read it.
+        param = chat.PROMPT_PARAM.get(path) if code == ContextLengthExceededError.code else None
+        body = openai_compat.error_body(status, code, message, request_id, param)
     else:
         body = error_body(code, message, request_id)
     return JSONResponse(body, status_code=status, headers=dict(headers or {}))

@@ -7,6 +7,7 @@
     ├── PayloadTooLargeError       413 payload_too_large
     ├── InputTooLargeError         413 input_too_large
     ├── InputTooLongError          413 input_too_long     (past the model's token window)
+    ├── ContextLengthExceededError 400 context_length_exceeded (a generation's prompt + completion)
     ├── UnsupportedMediaTypeError  415 unsupported_media_type
     ├── QueueFullError             429 queue_full         (carries retry_after_s)
     ├── ModelError                 500 model_error
@@ -71,6 +72,32 @@ class InputTooLongError(InvalidInputError):
     http_status = 413
 
 
+class ContextLengthExceededError(InvalidInputError):
+    """A generation whose prompt, or prompt plus max_tokens, does not fit the model's context
+    window. Code, status and wording are OpenAI's, so that clients which key on them (the `openai`
+    client's BadRequestError.code, LiteLLM's ContextWindowExceededError) react as they do with
+    OpenAI; the OpenAI routes add `param` ("messages" or "prompt")."""
+
+    code = "context_length_exceeded"
+    http_status = 400
+
+    @classmethod
+    def of(cls, window: int, prompt_tokens: int, max_tokens: int | None, *, chat: bool) -> ContextLengthExceededError:
+        """The error for a prompt of `prompt_tokens` and `max_tokens` (None: not given) against a
+        window of `window` tokens, in OpenAI's words for chat messages or a completions prompt."""
+        head = f"This model's maximum context length is {window} tokens."
+        if max_tokens is None:
+            what = "messages" if chat else "prompt"
+            return cls(f"{head} However, your {what} resulted in {prompt_tokens} tokens. "
+                       f"Please reduce the length of the {what}.")
+        total = prompt_tokens + max_tokens
+        if chat:
+            return cls(f"{head} However, you requested {total} tokens ({prompt_tokens} in the messages, "
+                       f"{max_tokens} in the completion). Please reduce the length of the messages or completion.")
+        return cls(f"{head[:-1]}, however you requested {total} tokens ({prompt_tokens} in your prompt; {max_tokens} "
+                   "for the completion). Please reduce your prompt; or completion length.")
+
+
 class UnsupportedMediaTypeError(VramguardError):
     """A body in a Content-Type or Content-Encoding the route does not take."""
 
@@ -128,6 +155,7 @@ _BY_CODE: dict[str, type[VramguardError]] = {
         PayloadTooLargeError,
         InputTooLargeError,
         InputTooLongError,
+        ContextLengthExceededError,
         UnsupportedMediaTypeError,
         QueueFullError,
         ModelError,

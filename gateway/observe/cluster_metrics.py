@@ -144,6 +144,8 @@ GENERATION_SERIES = (
     ("generation_finished", "counter", "Sequences that finished (stop or length).", "finished", 1.0),
     ("generation_cancelled", "counter", "Sequences stopped because their client left.", "cancelled", 1.0),
     ("generation_resumed", "counter", "Sequences resumed from a dead worker's progress.", "resumed", 1.0),
+    ("generation_lost", "counter", "Sequences a worker stopped because another claimed their entry (it stalled).",
+     "lost", 1.0),
     # Time to first token and per output token are histograms: the worker's heartbeat histograms.
 )
 

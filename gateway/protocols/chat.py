@@ -1,9 +1,10 @@
 """OpenAI-compatible POST /v1/chat/completions and /v1/completions for generative models,
 streamed as server-sent events (`data: {chunk}` lines, then `data: [DONE]`) or answered whole.
 
-The worker sends a request's tokens as numbered chunks on this gateway's reply stream
-(worker/generate/progress.py); a chunk number already forwarded is dropped here, which is what
-makes a stream resumed by another worker after a crash free of repeats. A client that leaves
+The worker sends a request's tokens as chunks on this gateway's reply stream, each with the
+offset of its text (worker/generate/progress.py); only text that continues what was forwarded
+goes on (gateway/protocols/chunks.py), which is what keeps a stream resumed by another worker
+after a crash, or re-sent after a failed publish, free of repeats and gaps. A client that leaves
 (or reads slower than `STREAM_BOUND` chunks behind) gets its sequence stopped: the gateway sets
 the request's cancel key, which the worker checks every decode step. Never imports torch.
 """
@@ -23,16 +24,24 @@ from vramguard.gateway.admission.replies import ReplyStream
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.edge.disconnect import unless_disconnected
 from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
-from vramguard.gateway.protocols.chat_schema import DEFAULT_MAX_TOKENS, ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.protocols.chat_schema import ChatRequest, CompletionRequest, parse_body
+from vramguard.gateway.protocols.chunks import TextJoin
 from vramguard.gateway.protocols.prompt_tokens import PromptTokens
 from vramguard.gateway.protocols.render import FastJSONResponse
-from vramguard.shared.errors import DeadlineExceededError, UnavailableError, VramguardError, error_from_code
+from vramguard.shared.errors import (
+    ContextLengthExceededError,
+    DeadlineExceededError,
+    UnavailableError,
+    VramguardError,
+    error_from_code,
+)
 from vramguard.shared.models import MAX_CHARS_PER_TOKEN
 from vramguard.shared.protocol import ReplyMessage, RequestId
 
 CHAT_PATH = "/v1/chat/completions"
 TEXT_PATH = "/v1/completions"
 PATHS = (CHAT_PATH, TEXT_PATH)
+PROMPT_PARAM = {CHAT_PATH: "messages", TEXT_PATH: "prompt"}  # OpenAI's `param` of a context_length_exceeded
 STREAM_BOUND = 4096  # chunks waiting for a slow client before it is cut
 
 router = APIRouter(tags=["openai"])
@@ -68,10 +77,12 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         if kind == "chat" and spec.options.get("chat") is False:  # a model folder without a chat template
             raise BadBodyError(f"model: {body.model!r} has no chat template; use POST /v1/completions")
         window = int(spec.options.get("context_window", 0)) or None
-        prompt, max_tokens = _prompt_and_max_tokens(body, kind, window)
+        prompt, max_tokens = _prompt_and_max_tokens(body, window)
         await _check_window(request, body.model, prompt, max_tokens, window)
-        parameters: dict[str, object] = {"max_tokens": max_tokens, "temperature": body.temperature,
-                                         "top_p": body.top_p, "stop": body.stop_list()}
+        parameters: dict[str, object] = {"temperature": body.temperature, "top_p": body.top_p,
+                                         "stop": body.stop_list()}
+        if max_tokens is not None:  # else the worker generates up to the room the window leaves
+            parameters["max_tokens"] = max_tokens
         if body.seed is not None:
             parameters["seed"] = body.seed
         dispatcher = dispatcher_of(request)
@@ -82,10 +93,12 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         view = _View(kind, body.model, request_id)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(request, stream, view, deadline, usage), media_type="text/event-stream",
+            first = await _opening(request, body.model, stream, deadline, request_id)
+            return StreamingResponse(_events(request, stream, view, deadline, usage, first),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
-            text, last = await unless_disconnected(request, _collect(stream, deadline))
+            text, last = await unless_disconnected(request, _collect(stream, deadline, request_id))
         except BaseException:
             await dispatcher.close_stream(body.model, request_id, cancel=True)
             raise
@@ -93,10 +106,11 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         return FastJSONResponse(view.whole(text, last))
 
 
-def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, window: int | None) -> tuple[object, int]:
-    """The prompt as the worker takes it (messages or a string) and max_tokens; raises
-    BadBodyError when max_tokens alone, or the prompt's characters, cannot fit the window (the
-    worker checks prompt tokens + max_tokens exactly, before generating anything)."""
+def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, window: int | None) -> tuple[object, int | None]:
+    """The prompt as the worker takes it (messages or a string) and max_tokens (None: not given;
+    the worker then generates up to the room the window leaves, as vLLM does). Raises
+    BadBodyError when max_tokens alone cannot fit the window, ContextLengthExceededError when
+    the prompt's characters cannot (the worker checks the tokens exactly, before generating)."""
     if isinstance(body, ChatRequest):
         prompt: object = [m.model_dump(exclude_none=True, exclude={"name"}) for m in body.messages]
         chars = sum(len(m.content) for m in body.messages)
@@ -105,68 +119,105 @@ def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, kind: str, win
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         chars = len(str(prompt))
         max_tokens = body.max_tokens
-    max_tokens = max_tokens or (min(DEFAULT_MAX_TOKENS[kind], window - 1) if window else DEFAULT_MAX_TOKENS[kind])
-    if window is not None and max_tokens >= window:
+    if window is not None and max_tokens is not None and max_tokens >= window:
         raise BadBodyError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's context window of "
                            f"{window} tokens")
     if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
         field = "messages" if isinstance(body, ChatRequest) else "prompt"
-        raise BadBodyError(f"{field}: {chars} characters cannot fit the model's context window of {window} tokens")
+        raise ContextLengthExceededError(f"This model's maximum context length is {window} tokens. However, your "
+                                         f"{field} ({chars} characters) cannot fit in it. Please reduce the length "
+                                         f"of the {field}.")
     return prompt, max_tokens
 
 
-async def _check_window(request: Request, model: str, prompt: object, max_tokens: int, window: int | None) -> None:
-    """BadBodyError when the prompt's tokens (counted as the worker counts them, when this gateway
-    can: gateway/protocols/prompt_tokens.py) plus max_tokens pass the context window."""
+async def _check_window(request: Request, model: str, prompt: object, max_tokens: int | None,
+                        window: int | None) -> None:
+    """ContextLengthExceededError (OpenAI's) when the prompt's tokens (counted as the worker
+    counts them, when this gateway can: gateway/protocols/prompt_tokens.py), plus max_tokens when
+    given, pass the context window; without max_tokens, when the prompt leaves no room."""
     counter: PromptTokens = request.app.state.prompt_tokens
     tokens = await counter.count(model, prompt) if window is not None else None
-    if tokens is not None and window is not None and tokens + max_tokens > window:
-        raise BadBodyError(f"max_tokens: the prompt has {tokens} tokens and max_tokens is {max_tokens}: "
-                           f"{tokens + max_tokens} tokens is over the model's context window of {window}")
+    if tokens is None or window is None:
+        return
+    if tokens + (max_tokens or 0) > window or max_tokens is None and tokens >= window:
+        raise ContextLengthExceededError.of(window, tokens, max_tokens, chat=not isinstance(prompt, str))
 
 
-async def _chunks(stream: ReplyStream, deadline: float) -> AsyncIterator[dict[str, object]]:
-    """The request's chunks in order, each once (a chunk number already seen is a resumed
-    worker's re-send); ends after the chunk with a finish_reason. Raises the worker's error,
-    DeadlineExceededError, ClientTooSlowError."""
-    last = 0
+async def _next_reply(stream: ReplyStream, deadline: float) -> ReplyMessage:
+    """The stream's next reply. Raises DeadlineExceededError, ClientTooSlowError."""
+    try:
+        reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
+    except TimeoutError:
+        raise DeadlineExceededError("the generation did not finish before its deadline") from None
+    if stream.overflowed:
+        raise ClientTooSlowError(f"the client read more than {STREAM_BOUND} chunks behind; stream cut")
+    return reply
+
+
+async def _opening(request: Request, model: str, stream: ReplyStream, deadline: float,
+                   request_id: RequestId) -> ReplyMessage:
+    """A streamed request's first reply, awaited before the response starts: a refusal (a prompt
+    the worker counted over the window, a deadline, no room even alone) is then answered with its
+    own HTTP status and OpenAI's error body, as OpenAI answers a streamed request it refuses, not
+    as an event after a 200. Raises the worker's error (with the request id)."""
+    dispatcher = dispatcher_of(request)
+    open_streams(request.app)[request_id] = stream  # a gateway shutting down ends this wait too
+    try:
+        reply = await unless_disconnected(request, _next_reply(stream, deadline))
+    except BaseException:
+        open_streams(request.app).pop(request_id, None)
+        await dispatcher.close_stream(model, request_id, cancel=True)
+        raise
+    if not reply.ok:
+        open_streams(request.app).pop(request_id, None)
+        await dispatcher.close_stream(model, request_id, cancel=False)
+        raise error_from_code(reply.error_code or "model_error", reply.error_message or "", request_id=request_id)
+    return reply
+
+
+async def _chunks(stream: ReplyStream, deadline: float, request_id: str,
+                  first: ReplyMessage | None = None) -> AsyncIterator[dict[str, object]]:
+    """The request's chunks in order (`first`, when the caller already took it, then the
+    stream's), cut so that each character comes once (TextJoin); ends after the chunk with a
+    finish_reason. Raises the worker's error, DeadlineExceededError (a gap never filled ends so
+    too), ClientTooSlowError, StreamGapError."""
+    join = TextJoin(request_id, STREAM_BOUND)
+    reply = first
     while True:
-        try:
-            reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
-        except TimeoutError:
-            raise DeadlineExceededError("the generation did not finish before its deadline") from None
-        if stream.overflowed:
-            raise ClientTooSlowError(f"the client read more than {STREAM_BOUND} chunks behind; stream cut")
+        if reply is None:
+            reply = await _next_reply(stream, deadline)
         if not reply.ok:
             raise error_from_code(reply.error_code or "model_error", reply.error_message or "")
         chunk = reply.outputs[0] if reply.outputs else None
-        if not isinstance(chunk, dict) or int(chunk["chunk"]) <= last:
+        reply = None
+        if not isinstance(chunk, dict):
             continue
-        last = int(chunk["chunk"])
-        yield chunk
-        if chunk["finish_reason"] is not None:
+        for forwarded in join.add(chunk):
+            yield forwarded
+        if join.finished:
             return
 
 
-async def _collect(stream: ReplyStream, deadline: float) -> tuple[str, dict[str, object]]:
+async def _collect(stream: ReplyStream, deadline: float, request_id: str) -> tuple[str, dict[str, object]]:
     parts: list[str] = []
     last: dict[str, object] = {}
-    async for chunk in _chunks(stream, deadline):
+    async for chunk in _chunks(stream, deadline, request_id):
         parts.append(str(chunk["text"]))
         last = chunk
     return "".join(parts), last
 
 
 async def _events(request: Request, stream: ReplyStream, view: _View, deadline: float,
-                  include_usage: bool) -> AsyncIterator[bytes]:
-    """The SSE body. Whatever ends it early (the client leaving cancels this generator; an
-    error) stops the worker's sequence through its cancel key."""
+                  include_usage: bool, first: ReplyMessage) -> AsyncIterator[bytes]:
+    """The SSE body, from the stream's `first` reply on (_opening took it). Whatever ends it
+    early (the client leaving cancels this generator; an error) stops the worker's sequence
+    through its cancel key."""
     dispatcher = dispatcher_of(request)
     finished = False
     open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
     try:
         yield _sse(view.delta("", None, first=True))
-        async for chunk in _chunks(stream, deadline):
+        async for chunk in _chunks(stream, deadline, view.request_id, first):
             yield _sse(view.delta(str(chunk["text"]), chunk["finish_reason"]))
             if chunk["finish_reason"] is not None and include_usage:
                 yield _sse(view.usage_only(chunk))

@@ -25,7 +25,6 @@ from vramguard.shared.errors import InvalidInputError
 
 MAX_MESSAGES = 256
 MAX_STOP = 4  # OpenAI's limit
-DEFAULT_MAX_TOKENS = {"chat": 256, "text": 16}  # OpenAI's completions default is 16
 
 # What the two routes take; any other top-level key is answered 400 naming it (tool calls,
 # several choices, logprobs, penalties, response formats, beam search are not supported; NEUTRAL

@@ -176,11 +176,13 @@ def _encode(vector: object, encoding_format: str | None) -> np.ndarray | str:
 _FIELD = re.compile(r"([A-Za-z_][\w.\[\]]{0,80}): ")
 
 
-def error_body(status: int, code: str, message: str, request_id: str | None) -> dict[str, object]:
-    """OpenAI's error shape: `type` invalid_request_error (4xx) or server_error (5xx)."""
+def error_body(status: int, code: str, message: str, request_id: str | None,
+               param: str | None = None) -> dict[str, object]:
+    """OpenAI's error shape: `type` invalid_request_error (4xx) or server_error (5xx); `param`
+    the field the error is about (given, else read from the message's head)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     # Invalid-input messages start with the field they are about ("messages.0.role: ..."); one
     # about the whole body ("body is not UTF-8 JSON: ...") names none.
-    field = _FIELD.match(message) if status in (400, 422) else None
-    param = field.group(1) if field else None
+    field = _FIELD.match(message) if status in (400, 422) and param is None else None
+    param = field.group(1) if field else param
     return {"error": {"message": message, "type": kind, "param": param, "code": code, "request_id": request_id}}

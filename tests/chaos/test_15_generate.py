@@ -187,13 +187,32 @@ def test_bad_bodies_refused_before_queueing(gen: GenStack) -> None:
     assert raw.status_code == 400
     unsupported = httpx.post(gen.url + "/v1/chat/completions", json=BAD_BODIES[6][1]).json()["error"]["message"]
     assert "tools" in unsupported and "logprobs" in unsupported
-    # prompt + max_tokens over the window: counted with the tokenizer the worker published, naming both numbers
+    # prompt + max_tokens over the window: counted with the tokenizer the worker published, in OpenAI's words
     response = httpx.post(gen.url + "/v1/completions", timeout=60,
                           json={"model": "smollm2", "prompt": "word " * 1500, "max_tokens": 1000})
-    message = response.json()["error"]["message"]
-    assert response.status_code == 400 and "max_tokens is 1000" in message and "prompt has 15" in message, message
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+    assert error["message"].startswith("This model's maximum context length is 2048 tokens, however you requested 25")
+    assert "1000 for the completion" in error["message"] and "(15" in error["message"], error["message"]
     native = httpx.post(gen.url + "/v1/models/smollm2/infer", json={"inputs": ["Once upon a time"]}, timeout=60)
     assert native.status_code == 422 and "/v1/chat/completions" in native.json()["error"]["message"], native.text
+    assert gen.last_entry_id() == before
+
+
+def test_an_over_long_prompt_gets_openais_context_length_exceeded_streamed_or_not(gen: GenStack) -> None:
+    """The gateway counts the prompt with the tokenizer the worker published: 1,500 words plus
+    max_tokens 1000 pass the 2048-token window, refused before anything is queued or streamed."""
+    before = gen.last_entry_id()
+    for stream in (False, True):
+        with _client(gen) as client, pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "word " * 1500}],
+                                           max_tokens=1000, stream=stream)
+        error = caught.value
+        assert error.code == "context_length_exceeded" and error.param == "messages", error.body
+        assert isinstance(error.body, dict) and error.body["message"].startswith(
+            "This model's maximum context length is 2048 tokens. However, you requested 25"), error.body
+        assert error.body["message"].endswith(" in the messages, 1000 in the completion). Please reduce the length "
+                                              "of the messages or completion."), error.body
     assert gen.last_entry_id() == before
 
 

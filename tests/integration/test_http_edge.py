@@ -193,7 +193,6 @@ REFUSED_GENERATIONS: list[tuple[str, dict[str, object], str, str]] = [
     (TEXT, {"prompt": [1, 2, 3]}, "prompt", "token-id prompts"),
     (CHAT, {"messages": None}, "messages", "valid list"),
     (CHAT, {"logprobs": True, "tools": [{}]}, "logprobs", "(only false or null is accepted); nor are tools"),
-    (TEXT, {"prompt": "x" * 2_000_000}, "prompt", "2000000 characters"),
     (CHAT, {"temperature": True}, "temperature", "valid number"),
     (TEXT, {"top_p": "0.5"}, "top_p", "valid number"),
     (CHAT, {"n": True}, "n", "only n = 1"),
@@ -214,6 +213,15 @@ async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
             error = response.json()["error"]
             assert response.status_code == 400 and error["param"] == param, (change.keys(), response.text[:300])
             assert error["message"].startswith(f"{param}: ") and words in error["message"], error["message"]
+        # A prompt whose characters alone cannot fit the window: OpenAI's context_length_exceeded.
+        for path, change, param in ((TEXT, {"prompt": "x" * 2_000_000}, "prompt"),
+                                    (CHAT, {"messages": [{"role": "user", "content": "x" * 2_000_000}]}, "messages")):
+            response = await gateway.post(path, json={**(CHAT_BODY if path == CHAT else TEXT_BODY), **change})
+            error = response.json()["error"]
+            assert response.status_code == 400 and error["code"] == "context_length_exceeded", response.text[:300]
+            assert error["param"] == param and error["type"] == "invalid_request_error", error
+            assert error["message"].startswith("This model's maximum context length is 2048 tokens.") \
+                and "2000000 characters" in error["message"], error["message"]
         for path, field in MISSING_FIELDS:
             body = {k: v for k, v in (CHAT_BODY if path == CHAT else TEXT_BODY).items() if k != field}
             error = (await gateway.post(path, json=body)).json()["error"]

@@ -1,5 +1,6 @@
-"""The gateway's reading of a generated reply's chunks (gateway/protocols/chat.py): chunk numbers already
-forwarded are dropped, a client too far behind is cut, a worker's error ends the stream."""
+"""The gateway's reading of a generated reply's chunks (gateway/protocols/chat.py): text already
+forwarded is dropped (gateway/protocols/chunks.py), a client too far behind is cut, a worker's
+error ends the stream."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ RID = RequestId("r")
 
 
 def _chunk(n: int, text: str, finish: str | None = None) -> ReplyMessage:
-    return ReplyMessage(RID, outputs=[{"chunk": n, "offset": 0, "text": text, "finish_reason": finish,
+    """Chunk `n` of a text of one character per chunk: it starts at character n - 1."""
+    return ReplyMessage(RID, outputs=[{"chunk": n, "offset": n - 1, "text": text, "finish_reason": finish,
                                        "prompt_tokens": 1, "completion_tokens": n}])
 
 
 async def _read(stream: ReplyStream, timeout_s: float = 5) -> list[str]:
-    return [str(c["text"]) async for c in _chunks(stream, time.monotonic() + timeout_s)]
+    return [str(c["text"]) async for c in _chunks(stream, time.monotonic() + timeout_s, RID)]
 
 
 async def test_a_resumed_workers_resent_chunks_are_dropped() -> None:

@@ -11,6 +11,7 @@ DESIGN_TABLE = {
     "payload_too_large": 413,
     "input_too_large": 413,
     "input_too_long": 413,
+    "context_length_exceeded": 400,
     "unsupported_media_type": 415,
     "queue_full": 429,
     "model_error": 500,

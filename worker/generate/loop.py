@@ -40,7 +40,7 @@ class GenerationLoop:
         plan = await worker.threads.run(build_kv_plan, worker.backend, budget, max_running)
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
         server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, threads=worker.threads,
-                                  on_oom=budget.on_oom, metrics=worker.metrics)
+                                  on_oom=budget.on_oom, metrics=worker.metrics, hang=worker.hang)
         loop = cls(worker, server)
         await loop.publish_tokenizer(redis)
         return loop

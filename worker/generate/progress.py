@@ -4,7 +4,13 @@ Order (docs/concepts/architecture.md "Generation"): a step's progress hashes are
 chunks second, in two round trips (under Redis Cluster the model's keys and a gateway's reply
 stream live on different nodes, so one pipeline would not order them). A worker that dies after
 the first writes no chunk the successor cannot rebuild: the successor re-sends the last chunk
-the progress names (the gateway drops a chunk number it already forwarded) and goes on.
+the progress names (the gateway forwards only text past what it sent: docs/concepts/streams.md)
+and goes on.
+
+The progress write is fenced: it happens only while this worker still owns the request's entry
+in the consumer group (claimed by another worker, or acked, it does not), in one script with
+the ownership check, so a worker that lost its entry to a reclaim learns it before it sends
+another chunk, and stops.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from typing import cast
 
 import redis.asyncio as aioredis
 
-from vramguard.shared.keys import Keys
+from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import ReplyMessage, pack, unpack
 from vramguard.worker.batch.publish import Outgoing
 from vramguard.worker.generate.sequence import Sequence
@@ -50,18 +56,44 @@ def chunk_reply(seq: Sequence, text: str, worker_id: str) -> Outgoing:
                                                cost=len(seq.prompt_ids) + len(seq.generated)))
 
 
-async def write_progress(redis: aioredis.Redis, keys: Keys, model: str, seqs: list[Sequence], now_ms: int) -> None:
-    """HSET each sequence's Progress (one pipeline), expiring PROGRESS_SLACK_MS after its deadline."""
+# KEYS: the request stream, then one progress hash per sequence. ARGV: group, consumer, then per
+# sequence its entry id, tokens, chunk, before, sent, seed, finish, TTL ms. Writes the progress of
+# the sequences whose entry this consumer still owns (XPENDING names it); returns the 1-based
+# positions of the others. On the model's hash slot: every key carries the {model} tag.
+_WRITE_OWNED = """
+local lost = {}
+for i = 2, #KEYS do
+  local a = 2 + (i - 2) * 8
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[a + 1], ARGV[a + 1], 1)
+  if #p == 1 and p[1][2] == ARGV[2] then
+    redis.call('HSET', KEYS[i], 'tokens', ARGV[a + 2], 'chunk', ARGV[a + 3], 'before', ARGV[a + 4],
+               'sent', ARGV[a + 5], 'seed', ARGV[a + 6], 'finish', ARGV[a + 7])
+    redis.call('PEXPIRE', KEYS[i], ARGV[a + 8])
+  else
+    lost[#lost + 1] = i - 1
+  end
+end
+return lost
+"""
+
+
+async def write_progress(redis: aioredis.Redis, keys: Keys, model: str, seqs: list[Sequence], now_ms: int,
+                         worker_id: str) -> list[Sequence]:
+    """HSET each sequence's Progress, expiring PROGRESS_SLACK_MS after its deadline, if consumer
+    `worker_id` still owns its entry (one script). Returns the sequences whose entry it no
+    longer owns (claimed by another worker, or acked): nothing is written for them, and their
+    generation must stop. Raises RedisError."""
     if not seqs:
-        return
-    async with redis.pipeline(transaction=False) as pipe:
-        for seq in seqs:
-            key = keys.generation_progress(model, seq.request_id)
-            p = Progress.of(seq)
-            pipe.hset(key, mapping={"tokens": pack(p.tokens), "chunk": p.chunk, "before": p.text_before,
-                                    "sent": p.text_sent, "seed": p.seed, "finish": p.finish_reason or ""})
-            pipe.pexpire(key, max(1, seq.deadline_ms - now_ms) + PROGRESS_SLACK_MS)
-        await pipe.execute()
+        return []
+    args: list[bytes | str | int] = [GROUP, worker_id]
+    for seq in seqs:
+        p = Progress.of(seq)
+        args += [seq.entry_id, pack(p.tokens), p.chunk, p.text_before, p.text_sent, p.seed, p.finish_reason or "",
+                 max(1, seq.deadline_ms - now_ms) + PROGRESS_SLACK_MS]
+    script = redis.register_script(_WRITE_OWNED)
+    lost = await script(keys=[keys.request_stream(model), *(keys.generation_progress(model, s.request_id)
+                                                             for s in seqs)], args=args)
+    return [seqs[int(i) - 1] for i in cast(list[int], lost or [])]
 
 
 async def read_progress(redis: aioredis.Redis, keys: Keys, model: str, request_id: str) -> Progress | None:

@@ -5,7 +5,10 @@ then chunks, then ack what finished (worker/generate/progress.py). Requests the 
 hold yet stay in the stream (unread), where another worker may take them.
 
 Entries of dead workers come back through worker/batch/reclaim.py; their progress in Redis lets this
-worker resume their sequences where the client's stream stands.
+worker resume their sequences where the client's stream stands. A chunk whose publish fails is
+sent again (docs/concepts/streams.md): a running sequence's next chunk starts where the failed
+one did, a finished one's last chunk is re-sent each round until it goes out. A sequence whose
+entry another worker claimed (it stalled past claim_idle_ms) stops at its next progress write.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from vramguard.worker.generate.progress import cancelled as cancel_flags
 from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
+from vramguard.worker.generate.window import completion_bound
+from vramguard.worker.health.hang import HangGuard
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 
@@ -53,6 +58,7 @@ class GenerationStats:
     finished: int = 0
     cancelled: int = 0
     resumed: int = 0
+    lost: int = 0  # stopped because another worker claimed their entry (this one stalled past claim_idle_ms)
     failed: int = 0
     tokens_generated: int = 0
     steps: int = 0
@@ -70,7 +76,7 @@ class GenerationServer:
 
     def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan,
                  threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, hang: HangGuard | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self.worker_id = worker_id
@@ -86,16 +92,18 @@ class GenerationServer:
         self._rows = RowCap(plan.max_running)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
         self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
+        self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a step that never returns
+        self._unsent: list[Emitted] = []  # finished sequences whose last chunk's publish failed: re-sent
 
     # --- what the runner asks -------------------------------------------------------------
 
     @property
     def busy(self) -> bool:
-        return bool(self._engine.running or self._engine.joining or self._pending)
+        return bool(self._engine.running or self._engine.joining or self._pending or self._unsent)
 
     def held_ids(self) -> list[EntryId]:
         """Entries being generated or waiting here (kept from looking dead by reclaim)."""
-        return [s.entry_id for s in self._sequences()]
+        return [s.entry_id for s in (*self._sequences(), *(e.seq for e in self._unsent))]
 
     def heartbeat_field(self) -> str:
         self.stats.running = len(self._engine.running) + len(self._engine.joining)
@@ -155,12 +163,11 @@ class GenerationServer:
         if msg.deadline_ms <= now_ms():
             raise DeadlineExceededError("deadline passed before the sequence started")
         params = msg.parameters
-        max_tokens = int(cast(int, params.get("max_tokens", 16)))
         prompt = await self._threads.run(self._backend.prompt_ids, msg.inputs[0] if msg.inputs else None, params)
-        if len(prompt) + max_tokens > self.plan.context_window:
-            raise InvalidInputError(f"the prompt has {len(prompt)} tokens and max_tokens is {max_tokens}: "
-                                    f"{len(prompt) + max_tokens} tokens is over the model's context window of "
-                                    f"{self.plan.context_window}")
+        given = params.get("max_tokens")
+        max_tokens = completion_bound(len(prompt), None if given is None else int(cast(int, given)),
+                                      self.plan.context_window, self.plan.tokens_fit,
+                                      chat=bool(msg.inputs) and isinstance(msg.inputs[0], list))
         if not self.plan.admits([], len(prompt) + max_tokens):
             raise InputTooLargeError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens; the KV cache "
                                      f"holds {self.plan.tokens_fit} tokens")
@@ -218,14 +225,21 @@ class GenerationServer:
 
     async def _step(self, redis: aioredis.Redis) -> None:
         await self._drop_gone(redis)
+        if self._unsent:  # finished sequences whose last chunk did not go out: again, before anything new
+            unsent, self._unsent = self._unsent, []
+            await self._send(redis, unsent)
         self.admit()
         # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
         if any(s.resumed for s in self._engine.running):  # a thread hop only when one is owed
             await self._publish(redis, await self._threads.run(self._resend))
         if self._engine.running or self._engine.joining:
             marks = step_marks(self._engine)
+            ids = [s.request_id for s in (*self._engine.running, *(s for s, _ in self._engine.joining))]
             try:
-                emitted = await self._threads.run(self._compute_or_oom)
+                # Timed as a forward is (worker/health/hang.py): a step that never returns ends the
+                # process, and its sequences are reclaimed and resumed from their progress elsewhere.
+                with self._hang.forward("step", ids):
+                    emitted = await self._threads.run(self._compute_or_oom)
             except Exception as exc:  # noqa: BLE001 - the model failed: its sequences get 500, the worker goes on
                 log.exception("generation step failed", extra={"error": str(exc)})
                 await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
@@ -293,7 +307,7 @@ class GenerationServer:
         return out
 
     async def _publish(self, redis: aioredis.Redis, emitted: list[Emitted]) -> None:
-        """Progress, then chunks, then the acks of finished sequences (progress.py's order)."""
+        """Number the emitted chunks, then send them (_send)."""
         if not emitted:
             return
         now = monotonic_ms()
@@ -306,13 +320,55 @@ class GenerationServer:
                 self.stats.ttft_count += 1
                 self.stats.ttft_ms_sum += now - e.seq.started_ms
                 self._metrics.observe_first_token(now - e.seq.started_ms)
-        await write_progress(redis, self._keys, self._model, [e.seq for e in emitted], now_ms())
+        await self._send(redis, emitted)
+
+    async def _send(self, redis: aioredis.Redis, emitted: list[Emitted]) -> None:
+        """Progress (fenced: only for entries this worker still owns), then chunks, then the acks
+        of finished sequences (progress.py's order). A sequence whose entry was claimed by another
+        worker stops here, unsent; when a write fails, what it carried is sent again (_not_sent).
+        Raises RedisError when the progress write failed (the loop backs off)."""
+        try:
+            lost = await write_progress(redis, self._keys, self._model, [e.seq for e in emitted], now_ms(),
+                                        self.worker_id)
+        except RedisError:
+            self._not_sent(emitted)
+            raise
+        if lost:
+            self._stop_lost(lost)
+            emitted = [e for e in emitted if all(e.seq is not s for s in lost)]
         done = [e.seq for e in emitted if e.seq.finish_reason is not None]
+        self._engine.remove({id(s) for s in done})
+        if not await self._finish(redis, [chunk_reply(e.seq, e.text, self.worker_id) for e in emitted],
+                                  [s.entry_id for s in done], [], progress_of=done):
+            self._not_sent(emitted)
+            return
+        now = monotonic_ms()
         for seq in done:
             self._record_finish(seq, now)
-        self._engine.remove({id(s) for s in done})
-        await self._finish(redis, [chunk_reply(e.seq, e.text, self.worker_id) for e in emitted],
-                           [s.entry_id for s in done], [], progress_of=done)
+
+    def _not_sent(self, emitted: list[Emitted]) -> None:
+        """After a failed publish: a running sequence's chunk is taken back, so that its next chunk
+        starts where this one did (the engine cuts text from text_sent); a finished one keeps its
+        chunk, re-sent by the next round (_unsent). Either way the gateway gets the text once: it
+        forwards only what continues the text it sent (gateway/protocols/chunks.py)."""
+        for e in emitted:
+            seq = e.seq
+            if seq.finish_reason is not None:
+                self._engine.remove({id(seq)})
+                self._unsent.append(e)
+            else:
+                seq.chunk -= 1
+                seq.text_sent = seq.text_before
+
+    def _stop_lost(self, lost: list[Sequence]) -> None:
+        """Stop the sequences whose entry another worker claimed (or that was acked): that worker
+        resumed them from their progress and sends their chunks now; this one must not send more."""
+        self._engine.remove({id(s) for s in lost})
+        self.stats.lost += len(lost)
+        for seq in lost:
+            log.warning("sequence lost to another worker's reclaim; stopped here",
+                        extra={"request_id": seq.request_id, "entry_id": seq.entry_id,
+                               "completion_tokens": len(seq.generated)})
 
     def _record_finish(self, seq: Sequence, now: float) -> None:
         self.stats.finished += 1
@@ -363,8 +419,9 @@ class GenerationServer:
         await self._finish(redis, [Outgoing(entry.message.reply_to, reply)], [entry.entry_id], [])
 
     async def _finish(self, redis: aioredis.Redis, replies: list[Outgoing], entry_ids: list[EntryId],
-                      dead: list[DeadLetter], progress_of: list[Sequence] = ()) -> None:  # type: ignore[assignment]
-        """Send replies, ack + delete `entry_ids`, then delete the progress of the finished."""
+                      dead: list[DeadLetter], progress_of: list[Sequence] = ()) -> bool:  # type: ignore[assignment]
+        """Send replies, ack + delete `entry_ids`, then delete the progress of the finished.
+        Returns False when the replies and acks were not written (Redis unreachable)."""
         try:
             await publish_replies(redis, request_stream=self._stream,
                                   dead_letter_stream=self._keys.dead_letter_stream(self._model),
@@ -373,10 +430,16 @@ class GenerationServer:
                                   reply_maxlen=self._settings.reply_stream_maxlen)
             finished = [self._keys.generation_progress(self._model, s.request_id) for s in progress_of
                         if s.entry_id in entry_ids]
+        except RedisError as exc:
+            # Chunks are sent again by _send's caller; other replies' entries stay pending for reclaim.
+            log.error("publish failed", extra={"error": str(exc)})
+            return False
+        try:
             if finished:
                 await redis.delete(*finished)
-        except RedisError as exc:
-            log.error("publish failed; entries stay pending for reclaim", extra={"error": str(exc)})
+        except RedisError as exc:  # it expires PROGRESS_SLACK_MS after the request's deadline
+            log.warning("progress of finished sequences not deleted", extra={"error": str(exc)})
+        return True
 
 
 def should_read_blocking(server: GenerationServer) -> bool:

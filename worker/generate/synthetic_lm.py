@@ -7,7 +7,8 @@ token, 0), so every sequence runs to max_tokens. Memory, as params say: weights_
 load; per step step_fixed_mib + step_token_kib per token of the step (transient); the KV cache
 kv_kib per token of every row at the batch's padded width, held while the rows live, and two
 layers' copy of it (of `layers`) while it changes, as torch.cat / index_select copy a
-DynamicCache layer by layer. step_ms: a sleep per step (no compute).
+DynamicCache layer by layer. step_ms: a sleep per step (no compute). hold_step (tests): 1 lets a
+test hold one decode step by creating a file (worker/generate/stephold.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
+from vramguard.worker.generate.stephold import StepHold, hold_path
 from vramguard.worker.memory import simdevice
 from vramguard.worker.memory.simalloc import Block
 from vramguard.worker.memory.simdevice import SimDevice
@@ -102,10 +104,12 @@ class SyntheticLMBackend:
     """See the module docstring. Params: DEFAULTS' keys."""
 
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
-        unknown = set(config.params) - set(DEFAULTS)
+        params = dict(config.params)
+        self._hold = StepHold(hold_path(settings.key_prefix, settings.model) if params.pop("hold_step", 0) else None)
+        unknown = set(params) - set(DEFAULTS)
         if unknown:
             raise ValueError(f"{settings.model}: unknown params {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        p = {**DEFAULTS, **config.params}
+        p = {**DEFAULTS, **params}
         self.name, self.device = settings.model, device
         self.weights_bytes = int(p["weights_mib"] * MIB)
         self.step_fixed_bytes, self.step_token_bytes = int(p["step_fixed_mib"] * MIB), int(p["step_token_kib"] * KIB)
@@ -186,6 +190,7 @@ class SyntheticLMBackend:
         return self._logits([ids[-1]])[0]
 
     def step_forward(self, tokens: list[int]) -> torch.Tensor:
+        self._hold()
         with self._step_memory(len(tokens)):
             time.sleep(self.step_ms / 1000)
         return self._logits(tokens)
