@@ -70,6 +70,8 @@ class BenchConfig:
     scale_workers: tuple[int, ...] = (1, 2, 4, 8)
     out_dir: Path = ROOT / "bench" / "results"
     progress: bool = True
+    quick: bool = False  # the smoke run (`--quick`): suites that size their own work take their smallest
+    systems: tuple[str, ...] = ()  # the generation suite's systems (bench/generate.py SYSTEMS); () all
 
     @property
     def log_dir(self) -> Path:
