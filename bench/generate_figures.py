@@ -27,8 +27,9 @@ NAIVE_RATIO, LIMIT_SHARE, TTFT_SLACK_MS = 3.0, 0.7, 10.0
 VLLM_TOP_RATIO, VLLM_ONE_RATIO = 1.0, 0.8
 KV_SHARE_TARGET, RUNNING_RATIO = 0.9, 3.0
 # Sequences running at once while saturated on the mixed workload, median over the samples, of the
-# engine before the paged KV cache (rows x the longest row, each reserving prompt + max_tokens): the
-# run of 2026-12-06 (commit 9adebfd, 1 round, machine shared).
+# engine before the paged KV cache (rows x the longest row, each reserving prompt + max_tokens; its KV
+# plan held 15,430 tokens, 7 rows of 2,048 at the workload's room-left max_tokens): the run of
+# 2026-12-06 08:22 UTC (commit c841b50, whose engine is 9adebfd's plus the kv_tokens_held gauge).
 TODAY_RUNNING = 7.0
 
 
@@ -148,10 +149,14 @@ def mixed_table_rows(records: list[Record]) -> list[list[object]]:
     def share(r: Record) -> str | None:
         return f"{float(r['kv_share_saturated']):.1%}" if r.get("kv_share_saturated") is not None else None  # type: ignore[arg-type]
 
-    return [[r["pair"], r["config"], r["requests"], r["prompt_tokens"], r["max_tokens"], r["tokens"], r["tokens_per_s"],
-             r["ttft_median_ms"], r["ttft_p90_ms"], r.get("pool_tokens"), share(r),
-             f"{r.get('running_saturated')} / {r.get('running_max')}", f"{r['saturated_samples']} of {r['samples']}"]
-            for r in records if workload(r) == "mixed"]
+    def row(r: Record) -> list[object]:
+        if r.get("error"):  # the workload failed: what the client saw, in place of the figures
+            return [r["pair"], r["config"], r["concurrency"], f"failed: {r['error']}", *[None] * 9]
+        return [r["pair"], r["config"], r["requests"], r["prompt_tokens"], r["max_tokens"], r["tokens"],
+                r["tokens_per_s"], r["ttft_median_ms"], r["ttft_p90_ms"], r.get("pool_tokens"), share(r),
+                f"{r.get('running_saturated')} / {r.get('running_max')}", f"{r['saturated_samples']} of {r['samples']}"]
+
+    return [row(r) for r in records if workload(r) == "mixed"]
 
 
 INTRO = (
@@ -178,7 +183,10 @@ def section(records: list[Record]) -> str:
     fixed = [r for r in records if workload(r) == "fixed"]
     max_tokens = fixed[0]["max_tokens"] if fixed else "—"
     loads = [float(r["loadavg_1m"]) for r in records if r.get("loadavg_1m") is not None]  # type: ignore[arg-type]
-    load = f"\n\nLoad average (1 min) after each system's points: {min(loads):.1f} to {max(loads):.1f}." if loads else ""
+    span = f"{min(loads):.1f} to {max(loads):.1f}" if loads else ""
+    load = f"\n\nLoad average (1 min) after each system's points: {span}." if loads else ""
+    runs = sorted({str(r["run"]) for r in records if r.get("run")})
+    load += f" Measured: {'; '.join(runs)}." if runs else ""
     rows = [[r["pair"], r["config"], r["concurrency"], r["tokens_per_s"], r["ttft_median_ms"], r.get("ttft_p90_ms"),
              r["tokens"]] for r in fixed]
     mixed = mixed_table_rows(records)
