@@ -1,6 +1,7 @@
 """The generation suite's vLLM peer is launched as bench/services.py builds it; CI has no vLLM venv
 (bench/.venv-vllm), so this checks the command, environment and URLs that the suite uses against it,
-without starting it (tests/integration/test_bench_generate.py starts it where the venv is built)."""
+without starting it (tests/integration/test_bench_generate.py starts it where the venv is built), and
+how the suite chooses its systems and shows a workload that failed."""
 
 from __future__ import annotations
 
