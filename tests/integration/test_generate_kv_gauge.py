@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.helpers import Stack, wait_until
 
@@ -24,6 +25,7 @@ defaults = { max_batch_size = 8, max_wait_ms = 1.0, default_timeout_ms = 300000,
 """
 
 
+@pytest.mark.slow  # a worker's start and 60 steps of 100 ms: 30-40 s on 2 busy cores
 async def test_kv_tokens_held_counts_each_sequences_context_without_padding(stack: Stack, tmp_path: Path) -> None:
     """1. One simlm worker, 100 ms per step; two completions at once, prompts of 10 and 30 words,
     60 tokens each, so the running batch is padded to the longer row.
