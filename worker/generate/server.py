@@ -65,6 +65,7 @@ class GenerationStats:
     kv_bytes_used: int = 0
     kv_bytes_reserved: int = 0
     kv_bytes_peak: int = 0
+    kv_tokens_held: int = 0  # token states the cache holds for its sequences, padding left out (tokens_fit: the pool)
     ttft_ms_sum: float = 0.0
     ttft_count: int = 0
     tpot_ms_sum: float = 0.0  # time per output token after the first, summed over finished sequences
@@ -109,6 +110,9 @@ class GenerationServer:
         self.stats.running = len(self._engine.running) + len(self._engine.joining)
         self.stats.waiting = len(self._pending)
         self.stats.kv_bytes_used = self._engine.kv.cache_bytes()  # after leaves too, not only after steps
+        # A running row holds its context but the newest token (fed at its next step); a joining one its prefill.
+        self.stats.kv_tokens_held = (sum(len(s.prompt_ids) + len(s.generated) - 1 for s in self._engine.running)
+                                     + sum(s.prefilled for s, _ in self._engine.joining))
         return json.dumps({"kv_plan": self.plan.as_dict(), **asdict(self.stats)})
 
     def _sequences(self) -> list[Sequence]:
