@@ -116,6 +116,14 @@ def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(vramguard: Callable
     assert "Traceback" not in done.stdout + done.stderr
 
 
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--redis-port", "0"], ["--workers-per-gpu", "0"]])
+def test_check_refuses_a_wrong_option_before_any_check_prints(vramguard: Callable[..., Ran], args: list[str]) -> None:
+    """`check --port 70000` is its one-line error alone: no `ok` line of a check before it."""
+    done = vramguard("check", "--model", "synthetic", *args)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("check: "), done
+
+
 @pytest.mark.parametrize("name", ["up", "check"])
 def test_the_placement_option_describes_the_file_a_pip_install_does_not_ship(name: str) -> None:
     """A pip install has no deploy/ folder: --help names every field of a [[model]] table itself."""

@@ -153,6 +153,12 @@ def run(args: argparse.Namespace) -> int:
     embedded = "VRAMGUARD_REDIS_URL" not in os.environ
     env = {k: v for k, v in os.environ.items() if k != "VRAMGUARD_REDIS_PORT"}
     settings = up.load_settings(env)  # exit 2 naming the variable or the models file's field
+    # The options are refused before any check prints a line: a wrong value is one line (exit 2).
+    ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
+    if embedded:
+        ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
+    if args.workers_per_gpu < 1:
+        up.refuse(f"--workers-per-gpu {args.workers_per_gpu}: must be at least 1")
     models_file = f" and models file {settings.models_file}" if settings.models_file else ""
     print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")
     check_gpus(settings.sim_gpus)
@@ -160,9 +166,6 @@ def run(args: argparse.Namespace) -> int:
     for line in up.describe(groups, env).splitlines():
         print(f"{OK} placement: {line.removeprefix('up: ')}")
     packages = check_packages(settings, [group.model for group in groups])
-    ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
-    if embedded:
-        ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
     free = check_ports(ports, settings.host)
     redis = check_redis(settings, embedded)
     return 0 if packages and free and redis else 1
