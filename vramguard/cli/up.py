@@ -27,6 +27,7 @@ from typing import Literal, NoReturn
 
 from pydantic import ValidationError
 
+from vramguard.cli import packages
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.gpus import find_gpus
 from vramguard.cli.placement import ModelPlacement, PlacementError, WorkerGroup, load_placement, plan, select_gpus
@@ -314,6 +315,17 @@ def check_ports(env: dict[str, str], workers_only: bool, host: str) -> None:
         sys.exit(1)
 
 
+def check_packages(settings: Settings, groups: list[WorkerGroup]) -> None:
+    """Exit 1 when a package a placed model's backend imports is not installed, with the line and
+    the pip command `vramguard check` gives: the worker would only crash-loop on the import."""
+    missing = [packages.missing_line(settings, model, names)
+               for model in dict.fromkeys(g.model for g in groups)
+               for names in [packages.missing_packages(settings, model)[1]] if names]
+    if missing:
+        say("\n".join(f"up: {line}" for line in missing))
+        sys.exit(1)
+
+
 def check_workers(env: dict[str, str], groups: list[WorkerGroup]) -> None:
     """Validate the settings each worker program will start with (its share against the watermark...)."""
     for group in groups:
@@ -351,6 +363,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     name_models(env, groups)
     settings = load_settings({k: v for k, v in env.items() if not k.startswith("VG_")})
     check_workers({k: v for k, v in env.items() if not k.startswith("VG_")}, groups)
+    check_packages(settings, groups)
     check_ports(env, args.workers_only, settings.host)
     rotate_logs(run_dir)
     write_programs(run_dir, groups, log_to_stdout=args.workers_only)
