@@ -180,6 +180,7 @@ class Worker:
             hang=self.hang, ledger=self.ledger,
         )
         if self.settings.spec_for(self.settings.model).options.get("generates"):
+            log.info("measuring the KV cache", extra={"model": self.settings.model})
             self.generation = await GenerationLoop.start(self, budget, redis)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
@@ -222,6 +223,8 @@ class Worker:
         """Load the weights, run the example inputs once, then measure and plan the memory budget
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
+        # What the start is doing, for `vramguard up`'s progress lines (vramguard/cli/readiness.py).
+        log.info("loading the model, warming it up and measuring its memory", extra={"model": self.settings.model})
         self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
         self._set_timeouts()
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 from pathlib import Path
 from typing import Any, cast
 
 from redis.exceptions import RedisError
 
-from vramguard.cli import packages, up
+from vramguard.cli import packages, stack, up
 from vramguard.cli.gpus import gpu_memory
 from vramguard.shared.redis_client import connect, find_redis_server
 from vramguard.shared.settings import Settings, mask_url_password
@@ -61,7 +62,13 @@ def check_ports(ports: dict[str, int], host: str) -> bool:
     for what, port in ports.items():
         if up.port_in_use(port, host if what == "gateway" else "127.0.0.1"):
             usable = False
-            print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or {up.PORT_TAKEN_HINTS[what]}")
+            ours = stack.stack_on_port(port)
+            if ours is not None:
+                print(f"{TROUBLE} port {port} ({what}) is used by the vramguard stack in {shlex.quote(str(ours))}: "
+                      f"`{up.stop_command(ours)}` stops it, or {up.PORT_TAKEN_HINTS[what]}")
+            else:
+                print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or "
+                      f"{up.PORT_TAKEN_HINTS[what]}")
         else:
             print(f"{OK} port {port} ({what}) is free")
     return usable

@@ -44,7 +44,8 @@ def run_dir_option(parser: argparse.ArgumentParser) -> None:
                         help="the stack's folder, as given to `vramguard up` (default <state dir>/<port>)")
     parser.add_argument("--port", type=int, default=None,
                         help="the gateway port the stack was started on, to find its default run folder "
-                        "(default VRAMGUARD_PORT, else 8000)")
+                        "(default VRAMGUARD_PORT; without either, the only stack that runs, in the state dir or "
+                        "./.run: several are listed, exit code 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,10 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stack_dir(args: argparse.Namespace) -> Path:
-    """The run folder `down` and `status` act on: --run-dir, else the default one of the port."""
+def stack_dir(args: argparse.Namespace) -> Path | int:
+    """The run folder `down` and `status` act on: --run-dir, else the default one of --port (or
+    VRAMGUARD_PORT), else the only stack that runs (stack.choose_stack: an exit code when there is not one)."""
     if args.run_dir is not None:
         return Path(args.run_dir)
+    if args.port is None and "VRAMGUARD_PORT" not in os.environ:
+        return stack.choose_stack(args.command)
     # The port is checked as `up` checks it: --port 0 must not fall back to 8000's stack.
     return stack.default_run_dir(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))
 
@@ -98,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
             return up.run(args)
         if args.command == "check":
             return check.run(args)
-        return stack.down(stack_dir(args)) if args.command == "down" else stack.status(stack_dir(args))
+        run_dir = stack_dir(args)
+        if isinstance(run_dir, int):
+            return run_dir
+        return stack.down(run_dir) if args.command == "down" else stack.status(run_dir)
     except up.Refused as exc:  # `check` refuses with `up`'s helpers; the line names the command the user ran
         try:
             print(f"{args.command}: {exc}", file=sys.stderr, flush=True)

@@ -373,12 +373,21 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     return env, groups, settings
 
 
+def quiet_options(env: Mapping[str, str]) -> list[str]:
+    """supervisord's options for a start whose terminal shows only the launcher's lines: its own log
+    (spawned, success, exited) goes to VG_RUN_DIR/supervisord.log alone (--silent), except for a
+    worker container (--workers-only), whose supervisor log is the container's; and as root, the user
+    it runs as named (--user 0), which it otherwise logs as a CRIT line on every start."""
+    options = [] if env.get("VG_START_GATEWAY") == "false" else ["--silent"]
+    return [*options, "--user", "0"] if os.getuid() == 0 else options
+
+
 def start(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """supervisord in a session of its own, so a hang-up of the terminal reaches only this launcher,
     which stops the stack in order; a signal to the whole terminal would reach every program at once
     (and makes supervisord reload its configuration). The launcher forwards Ctrl-C, SIGTERM and SIGHUP."""
-    proc = subprocess.Popen([*supervisor_command("supervisord"), "-c", str(SHIPPED_CONF)], env=env, cwd=env["VG_ROOT"],
-                            start_new_session=True)
+    proc = subprocess.Popen([*supervisor_command("supervisord"), "-c", str(SHIPPED_CONF), *quiet_options(env)], env=env,
+                            cwd=env["VG_ROOT"], start_new_session=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: proc.send_signal(signal.SIGTERM))
     return proc
