@@ -41,7 +41,8 @@ def installed_version() -> str:
 
 def run_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path,
-                        help="the stack's folder, as given to `vramguard up` (default <state dir>/<port>)")
+                        help="the stack's folder, as given to `vramguard up` (default <state dir>/<port> with --port; "
+                        "without either, the only stack that runs)")
     parser.add_argument("--port", type=int, default=None,
                         help="the gateway port the stack was started on, to find its default run folder "
                         "(default VRAMGUARD_PORT; without either, the only stack that runs, in the state dir or "
@@ -59,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, summary, codes in (
         ("down", "stop a stack started earlier by `vramguard up` (also one whose launcher died): supervisor stops "
          "the gateway, the workers, then Redis", "Exit codes: 0 stopped, or nothing ran there; 1 it did not stop "
-         f"within {stack.STOP_TIMEOUT_S} s."),
+         f"within {stack.STOP_TIMEOUT_S} s; 2 several stacks run and none was named (they are listed)."),
         ("status", "show whether a stack runs in a run folder, and each of its programs' state",
-         "Exit codes: 0 a stack runs; 3 none runs there."),
+         "Exit codes: 0 a stack runs; 3 none runs there; 2 several run and none was named (they are listed)."),
     ):
         run_dir_option(commands.add_parser(name, help=summary.split(":")[0], description=f"{summary}. {codes}"))
     check_parser = commands.add_parser("check", help="what `up` would find: GPUs, Redis, models file, placement",
