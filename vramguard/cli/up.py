@@ -318,11 +318,13 @@ def check_ports(env: dict[str, str], workers_only: bool, host: str) -> None:
 def check_packages(settings: Settings, groups: list[WorkerGroup]) -> None:
     """Exit 1 when a package a placed model's backend imports is not installed, with the line and
     the pip command `vramguard check` gives: the worker would only crash-loop on the import."""
-    missing = [packages.missing_line(settings, model, names)
-               for model in dict.fromkeys(g.model for g in groups)
-               for names in [packages.missing_packages(settings, model)[1]] if names]
-    if missing:
-        say("\n".join(f"up: {line}" for line in missing))
+    said = []
+    for model in dict.fromkeys(g.model for g in groups):
+        _, missing = packages.missing_packages(settings, model)
+        if missing:
+            said.append(f"up: {packages.missing_line(settings, model, missing)}")
+    if said:
+        say("\n".join(said))
         sys.exit(1)
 
 
