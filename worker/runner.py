@@ -223,9 +223,13 @@ class Worker:
         """Load the weights, run the example inputs once, then measure and plan the memory budget
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
-        # What the start is doing, for `vramguard up`'s progress lines (vramguard/cli/readiness.py).
-        log.info("loading the model, warming it up and measuring its memory", extra={"model": self.settings.model})
-        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
+        # Each step of the start is logged as it begins: `vramguard up` shows them while it waits
+        # (vramguard/cli/readiness.py), and a start of a minute says where the minute goes.
+        log.info("loading the weights", extra={"model": self.settings.model})
+        measured = iter(range(1, 1 << 30))
+        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples,
+                                   on_step=lambda: log.info("measured the memory of a batch size",
+                                                            extra={"step": next(measured)}))
         self._set_timeouts()
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
         plan = self.budget.plan
@@ -258,6 +262,7 @@ class Worker:
         or returns what it does not declare, UnavailableError when an engine it calls is down. Its
         decode time feeds the derived decode timeout (worker/health/hang.py)."""
         model = self.settings.model
+        log.info("warm-up: the model's example inputs", extra={"model": model})
         started = monotonic_ms()
         try:
             items = self.backend.decode(self.backend.example_inputs(), {})

@@ -72,11 +72,13 @@ def started(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
 
 
 def test_up_says_what_the_worker_does_while_it_starts(started: Started) -> None:
-    """The worker's own steps (loading the model, its memory plan) are progress lines before 'ready'."""
+    """The worker's own steps (loading, warm-up, each batch size measured, its memory plan) are
+    progress lines before 'ready', in that order."""
     before_ready = started.text().split("vramguard is ready at")[0]
-    assert "up: worker-synthetic-cpu-0: loading the model, warming it up and measuring its memory" in before_ready
-    assert "up: worker-synthetic-cpu-0: warmup done in " in before_ready
-    assert "up: worker-synthetic-cpu-0: memory plan" in before_ready
+    steps = ["loading the weights", "warm-up: the model's example inputs", "measured the memory of a batch size 1",
+             "warmup done in ", "memory plan", "worker ready"]
+    at = [before_ready.find(f"up: worker-synthetic-cpu-0: {step}") for step in steps]
+    assert -1 not in at and at == sorted(at), (steps, at, before_ready)
 
 
 def test_a_start_shows_none_of_supervisors_own_log(started: Started) -> None:

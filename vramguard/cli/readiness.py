@@ -138,7 +138,7 @@ def report_failing(names: list[str], run_dir: Path, say: Say) -> None:
 
 def progress_lines(log: str) -> list[str]:
     """The messages of a JSON-lines log's INFO and WARNING events, cut to 200 characters; a `step`
-    and `steps` field pair reads 'k/n', a `duration_ms` field 'in N s'. Lines that are not JSON
+    field reads ' k' (' k/n' with a `steps` field), a `duration_ms` field ' in N s'. Lines that are not JSON
     (a library writing to the log on its own) are left out."""
     lines = []
     for line in log.splitlines():
@@ -149,8 +149,8 @@ def progress_lines(log: str) -> list[str]:
         if not isinstance(event, dict) or event.get("level") not in ("INFO", "WARNING"):
             continue
         said = str(event.get("message", ""))
-        if "step" in event and "steps" in event:
-            said += f" {event['step']}/{event['steps']}"
+        if "step" in event:
+            said += f" {event['step']}" + (f"/{event['steps']}" if "steps" in event else "")
         if isinstance(event.get("duration_ms"), int | float):
             said += f" in {event['duration_ms'] / 1000:.1f} s"
         lines.append(said[:200])
