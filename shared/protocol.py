@@ -3,7 +3,7 @@
 A request travels on its model's request stream: alone, as an entry with field `m` holding a
 packed `RequestMessage`, or with other requests admitted in the same gateway call, as an entry
 with field `ms` holding a msgpack array of packed requests (one XADD and one entry for the lot;
-the gateway's admission script writes it, worker/packs.py splits it). A
+the gateway's admission script writes it, worker/batch/entries.py splits it). A
 reply travels on the gateway's reply stream: alone, as an entry with field `m` holding a packed
 `ReplyMessage`, or with the other replies of one batch to the same gateway, as an entry with
 field `ms` holding a packed list of them (one XADD and one entry per gateway per batch instead of

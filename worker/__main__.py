@@ -18,9 +18,10 @@ from vramguard.shared import eventloop
 from vramguard.shared.logs import configure_logging
 from vramguard.shared.settings import Settings, SettingsError, settings_help
 from vramguard.shared.tracing import TracingError, configure_tracing
+from vramguard.worker.exitcode import ExitCode
 from vramguard.worker.health.startfail import report_start_failure
 from vramguard.worker.models import BackendContractError
-from vramguard.worker.runner import ExitCode, Worker  # no torch import: cheap enough for --help
+from vramguard.worker.runner import Worker  # no torch import: cheap enough for --help
 
 
 def exit_codes_help() -> str:

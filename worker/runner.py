@@ -23,7 +23,6 @@ from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict
-from enum import IntEnum
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -45,6 +44,7 @@ from vramguard.worker.batch.entries import PackLedger, stream_ids
 from vramguard.worker.batch.execute import CudaContextLost, run_batch
 from vramguard.worker.batch.reclaim import Reclaimer, Suspect
 from vramguard.worker.batch.serve import BatchServer
+from vramguard.worker.exitcode import ExitCode
 from vramguard.worker.generate.loop import GenerationLoop
 from vramguard.worker.health.hang import ForwardTimeout, HangGuard, exit_now, measure_seconds_per_cost
 from vramguard.worker.health.heartbeat import Heartbeat, WorkerStats
@@ -57,20 +57,6 @@ from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.tasks import LONG_LIVED, LoopRecovery
 
 log = logging.getLogger(__name__)
-
-
-class ExitCode(IntEnum):
-    """Process exit codes; supervisor restarts on anything but OK."""
-
-    OK = 0
-    INVALID_SETTINGS = 2  # a VRAMGUARD_* value or the models file is invalid (nothing started)
-    STARTUP_FAILED = 3  # Redis unreachable at start, model failed to load, memory share refused
-    FORCED = 4  # second signal or grace period over: in-flight batches left for reclaim
-    CUDA_CONTEXT_LOST = 5  # non-OOM CUDA error or OOM that persists: batch left un-acked, restart for a fresh context
-    UNHEALTHY = 6  # the watchdog's probe failed or too many batches failed in a row
-    MODEL_INVALID = 7  # the model's class cannot be imported, breaks the contract, or returns what it does not declare
-    FORWARD_HUNG = 8  # a forward or a decode ran past its timeout (worker/health/hang.py): batch left un-acked
-    TASK_ENDED = 9  # a long-lived task ended, or Redis answered the batch loop unreadably many times (worker/tasks.py)
 
 
 class Worker:
@@ -194,6 +180,7 @@ class Worker:
             hang=self.hang, ledger=self.ledger,
         )
         if self.settings.spec_for(self.settings.model).options.get("generates"):
+            log.info("measuring the KV cache", extra={"model": self.settings.model})
             self.generation = await GenerationLoop.start(self, budget, redis)
         heartbeat = Heartbeat(self.settings, redis, self.keys, self.beat)
         self.watchdog.mark_ok()  # the warmup was the first probe
@@ -236,7 +223,13 @@ class Worker:
         """Load the weights, run the example inputs once, then measure and plan the memory budget
         (blocking; call in a thread). Raises MemoryPlanError when the budget cannot hold one item."""
         started = monotonic_ms()
-        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples)
+        # Each step of the start is logged as it begins: `vramguard up` shows them while it waits
+        # (vramguard/cli/readiness.py), and a start of a minute says where the minute goes.
+        log.info("loading the weights", extra={"model": self.settings.model})
+        measured = iter(range(1, 1 << 30))
+        self.budget = start_budget(self.backend, self.settings, self.config, warm_up=self._run_examples,
+                                   on_step=lambda: log.info("measured the memory of a batch size",
+                                                            extra={"step": next(measured)}))
         self._set_timeouts()
         log.info("warmup done", extra={"duration_ms": round(monotonic_ms() - started, 1)})
         plan = self.budget.plan
@@ -269,6 +262,7 @@ class Worker:
         or returns what it does not declare, UnavailableError when an engine it calls is down. Its
         decode time feeds the derived decode timeout (worker/health/hang.py)."""
         model = self.settings.model
+        log.info("warm-up: the model's example inputs", extra={"model": model})
         started = monotonic_ms()
         try:
             items = self.backend.decode(self.backend.example_inputs(), {})

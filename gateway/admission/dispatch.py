@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # ARGV: queue_bound, entry field, record TTL ms, queue_bound_bytes, requests field, requests per
 # entry, then each packed request.
 # - The admitted requests share stream entries: up to ARGV[6] in one entry (field ARGV[5], a
-#   msgpack array; worker/packs.py splits it), so a call of 20 requests costs one XADD, not 20.
+#   msgpack array; worker/batch/entries.py splits it), so a call of 20 requests costs one XADD, not 20.
 #   A lone request keeps an entry of its own (field ARGV[2]).
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
 #   have run: the call's record (its answer, msgpack, kept RETRY_WINDOW_S + 1 s) makes the

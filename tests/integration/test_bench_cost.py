@@ -12,6 +12,9 @@ import pytest
 from bench.cost import cost_point, process_cpu_s
 from tests.helpers import Stack
 
+# The benchmark's own tools, not the service: the slow tier (make test-all).
+pytestmark = pytest.mark.slow
+
 
 async def test_cpu_per_request_by_role_adds_up(stack: Stack) -> None:
     stack.start_gateway(served_models="synthetic")

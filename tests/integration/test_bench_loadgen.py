@@ -7,11 +7,15 @@ import asyncio
 import json
 
 import httpx
+import pytest
 
 from bench.corpus import load_corpus
 from bench.loadgen import body_cycle, run_point
 from bench.stats import sum_counters, summarize, worker_view
 from tests.helpers import Stack, wait_until
+
+# The benchmark's own tools, not the service: the slow tier (make test-all).
+pytestmark = pytest.mark.slow
 
 BATCH_MS = 5.0
 

@@ -13,6 +13,9 @@ from bench import suites
 from bench.services import ProcessService, trivial
 from bench.suites import BenchConfig, one_at_a_time
 
+# The benchmark's own tools, not the service: the slow tier (make test-all).
+pytestmark = pytest.mark.slow
+
 
 def test_each_server_is_measured_alone_in_alternating_rounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """1. Two trivial endpoints, A and B; two rounds at concurrency 2, 0.3 s points.

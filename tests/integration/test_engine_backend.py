@@ -113,6 +113,7 @@ async def test_engine_down_is_503_and_service_resumes_when_it_is_back(
     assert worker.poll() is None, stack.logs()
 
 
+@pytest.mark.slow
 def test_engine_down_at_start_is_a_start_failure_naming_it(tmp_path: Path, redis_server: RedisServer) -> None:
     port = free_port()  # nothing listens here
     env = service_env(redis_server.url, model="embedder", models_file=models_file(tmp_path, port))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.helpers import Stack, wait_until
@@ -33,6 +34,7 @@ async def queue(redis: aioredis.Redis, key_prefix: str, inputs: list[object], *,
     return reply_to
 
 
+@pytest.mark.slow
 async def test_a_reclaimed_request_of_many_long_forwards_is_served_not_taken_for_a_hang(
     stack: Stack, redis_client: aioredis.Redis, key_prefix: str
 ) -> None:

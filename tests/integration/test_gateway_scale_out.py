@@ -75,6 +75,7 @@ async def infer_on_own_connections(url: str, n: int, first: int = 0) -> list[htt
     return clients
 
 
+@pytest.mark.slow
 async def test_metrics_from_any_gateway_are_the_hosts_totals(stack: Stack, tmp_path: Path) -> None:
     folder = tmp_path / "metrics"
     folder.mkdir()
@@ -114,6 +115,7 @@ async def test_metrics_from_any_gateway_are_the_hosts_totals(stack: Stack, tmp_p
                 proc.wait(timeout=30)
 
 
+@pytest.mark.slow
 async def test_two_gateways_on_one_port_both_serve(stack: Stack) -> None:
     stack.start_gateway(served_models="synthetic", reuse_port=True)
     second = stack.spawn_gateway("gateway-1", served_models="synthetic", reuse_port=True)

@@ -82,6 +82,7 @@ async def test_readiness_is_the_gateways_and_per_model_readiness_stays_on_the_mo
     assert (await client.post("/v1/models/minilm/infer", json={"inputs": ["a"]})).status_code == 503
 
 
+@pytest.mark.slow
 async def test_a_model_whose_workers_cannot_start_is_reported_with_their_reason(
     stack: Stack, client: httpx.AsyncClient
 ) -> None:
@@ -118,6 +119,7 @@ async def test_a_recreated_reply_stream_is_read_from_its_start(
     await wait_until(lambda: served(client, 2, timeout_ms=2000), 30, interval_s=0.2)
 
 
+@pytest.mark.slow
 async def test_every_redis_error_in_every_long_lived_task_is_survived(
     stack: Stack, proxy: FaultProxy, client: httpx.AsyncClient, direct: aioredis.Redis
 ) -> None:
@@ -206,6 +208,7 @@ async def status_of(client: httpx.AsyncClient, path: str, code: int) -> bool:
     return (await client.get(path)).status_code == code
 
 
+@pytest.mark.slow
 async def test_open_routes_give_a_generic_redis_reason_and_the_detail_needs_the_api_key(tmp_path: Path) -> None:
     """A gateway whose Redis refuses connections: /health/ready and /status.json (open) say Redis is
     unreachable without its address or error text (which name internal hosts); with the API key

@@ -38,6 +38,7 @@ def run_profile(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_profile_json_plans_for_a_device_of_a_given_size() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(1024 * MIB),
                        "--workers-per-gpu", "2", "--watermark", "0.5", "--json")
@@ -53,6 +54,7 @@ def test_profile_json_plans_for_a_device_of_a_given_size() -> None:
     assert [w["planned_batch_size"] for w in plan["workers"]] == [12, 12]
 
 
+@pytest.mark.slow
 def test_profile_prints_what_each_worker_of_a_placement_gets() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--total-bytes", str(1024 * MIB),
                        "--share", "0.5", "--share", "0.25")
@@ -62,6 +64,7 @@ def test_profile_prints_what_each_worker_of_a_placement_gets() -> None:
     assert "worker 1: share 0.25, budget 256.0 MiB, batch 12 items" in done.stdout
 
 
+@pytest.mark.slow
 def test_profile_refuses_shares_over_the_watermark() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim", "--share", "0.5", "--share", "0.5")
     assert done.returncode == 1 and "more than the watermark 0.8" in done.stderr, done.stderr

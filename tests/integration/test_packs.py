@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.helpers import wait_until
@@ -128,6 +129,7 @@ async def test_a_pack_past_max_deliveries_is_dead_lettered_with_an_error_to_ever
     await wait_until(lambda: drained(redis_client, keys), 5)
 
 
+@pytest.mark.slow
 async def test_a_slow_live_worker_keeps_its_pack(redis_client, start_worker, key_prefix) -> None:  # type: ignore[no-untyped-def]
     """1. A worker whose forward takes 2.5 s reads a pack of two (one batch), and a second worker
        starts: the pack's forward outlasts claim_idle_ms three times over.
@@ -260,6 +262,7 @@ async def test_a_read_takes_at_most_two_batches_of_packed_requests(redis_client,
     assert (await redis_client.xpending(stream, GROUP))["pending"] == 2
 
 
+@pytest.mark.slow
 async def test_a_suspect_waiting_for_the_batch_in_flight_stays_its_workers(
         redis_client, start_worker, key_prefix) -> None:  # type: ignore[no-untyped-def]
     """1. A worker runs two forwards at once, each 3 s; request x is in one.

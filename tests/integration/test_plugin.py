@@ -69,6 +69,7 @@ def test_misspelled_import_path_stops_the_worker_at_start(tmp_path: Path, redis_
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_missing_class_stops_the_worker_at_start(tmp_path: Path, redis_server: RedisServer,
                                                  example_on_path: None) -> None:
     env = service_env(redis_server.url, model="mine",
@@ -78,6 +79,7 @@ def test_missing_class_stops_the_worker_at_start(tmp_path: Path, redis_server: R
     assert "has no class 'TinyClasifier'" in result.stderr
 
 
+@pytest.mark.slow
 def test_class_breaking_the_contract_stops_the_worker_at_start(tmp_path: Path, redis_server: RedisServer,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "half_done.py").write_text(
@@ -153,6 +155,7 @@ async def test_decode_that_raises_or_miscounts_fails_that_request_only(
         assert fine.status_code == 200 and fine.json()["outputs"] == [9]
 
 
+@pytest.mark.slow
 def test_model_failing_its_own_warmup_stops_the_worker_at_start(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import redis.asyncio as aioredis
 
 from tests.helpers import wait_until
@@ -62,6 +63,7 @@ async def test_entries_of_a_dead_consumer_are_reclaimed_and_answered_alone(
     assert (await redis_client.xpending(stream, GROUP))["pending"] == 0
 
 
+@pytest.mark.slow
 async def test_a_slow_live_worker_keeps_its_batch(redis_client, gateway, start_worker) -> None:
     slow = await start_worker(worker_name="slow", models={"synthetic": {"params": {"batch_ms": 2500}}}, **RECLAIM)
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from tests.helpers import wait_until
 from vramguard.shared.keys import GROUP, Keys
 
 
+@pytest.mark.slow
 async def test_requests_lost_with_redis_data_fail_fast_then_service_resumes(
     redis_client, gateway, start_worker, key_prefix
 ) -> None:

@@ -65,6 +65,7 @@ async def test_readonly_primary_is_retried_on_a_fresh_connection(admin, settings
     await client.aclose()
 
 
+@pytest.mark.slow
 async def test_oom_gives_503_naming_the_cause_and_keeps_what_was_accepted(
     admin, gateway, start_worker
 ) -> None:

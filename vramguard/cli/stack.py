@@ -56,6 +56,42 @@ def running_pid(run_dir: Path) -> int | None:
     return pid
 
 
+def running_stacks(base: Path | None = None) -> list[Path]:
+    """The run folders with a live supervisord: the default ones (every folder in the state dir) and
+    those of `make up` (every folder in `base`/.run, `base` the current folder by default), in that order."""
+    bases = [state_dir(), (base or Path.cwd()) / ".run"]
+    found = [folder.resolve() for b in bases if b.is_dir() for folder in sorted(b.iterdir()) if folder.is_dir()]
+    return [folder for folder in dict.fromkeys(found) if running_pid(folder) is not None]
+
+
+def stack_on_port(port: int) -> Path | None:
+    """The run folder of the running stack (of `running_stacks`) whose gateway or embedded Redis has
+    `port`, from the environment it was started with; None when no such stack runs."""
+    for run_dir in running_stacks():
+        env = saved_env(run_dir) or {}
+        if str(port) in (env.get("VRAMGUARD_PORT"), env.get("VG_REDIS_PORT") if env.get("VG_START_REDIS") == "true"
+                         else None):
+            return run_dir
+    return None
+
+
+def choose_stack(command: str) -> Path | int:
+    """The one running stack `down` or `status` acts on without --run-dir or --port, or the exit code
+    when there is not exactly one: none runs (status 3, down 0) or several do (2, listed with the
+    option that names each)."""
+    stacks = running_stacks()
+    if len(stacks) == 1:
+        return stacks[0]
+    if not stacks:
+        print(f"{command}: no stack runs (looked in {shlex.quote(str(state_dir()))} and ./.run)")
+        return 3 if command == "status" else 0
+    print(f"{command}: {len(stacks)} stacks run; name one:")
+    for run_dir in stacks:
+        port = (saved_env(run_dir) or {}).get("VRAMGUARD_PORT", "?")
+        print(f"  {command} --run-dir {shlex.quote(str(run_dir))}   (gateway port {port})")
+    return 2
+
+
 def rotate_logs(run_dir: Path) -> None:
     """Move the logs of the last start (every *.log and supervisor's rotated *.log.N) into
     `previous/`, replacing the ones there: each start begins with empty logs."""

@@ -27,7 +27,7 @@ from typing import Literal, NoReturn
 
 from pydantic import ValidationError
 
-from vramguard.cli import folder
+from vramguard.cli import folder, packages
 from vramguard.cli.backend import BackendError, describe_backend, import_backend, write_models_file
 from vramguard.cli.gpus import find_gpus
 from vramguard.cli.placement import ModelPlacement, PlacementError, WorkerGroup, load_placement, plan, select_gpus
@@ -334,6 +334,19 @@ def check_ports(env: dict[str, str], workers_only: bool, host: str) -> None:
         sys.exit(1)
 
 
+def check_packages(settings: Settings, groups: list[WorkerGroup]) -> None:
+    """Exit 1 when a package a placed model's backend imports is not installed, with the line and
+    the pip command `vramguard check` gives: the worker would only crash-loop on the import."""
+    said = []
+    for model in dict.fromkeys(g.model for g in groups):
+        _, missing = packages.missing_packages(settings, model)
+        if missing:
+            said.append(f"up: {packages.missing_line(settings, model, missing)}")
+    if said:
+        say("\n".join(said))
+        sys.exit(1)
+
+
 def check_workers(env: dict[str, str], groups: list[WorkerGroup]) -> None:
     """Validate the settings each worker program will start with (its share against the watermark...)."""
     for group in groups:
@@ -372,6 +385,7 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     name_models(env, groups)
     settings = load_settings({k: v for k, v in env.items() if not k.startswith("VG_")})
     check_workers({k: v for k, v in env.items() if not k.startswith("VG_")}, groups)
+    check_packages(settings, groups)
     check_ports(env, args.workers_only, settings.host)
     rotate_logs(run_dir)
     write_programs(run_dir, groups, log_to_stdout=args.workers_only)
@@ -381,12 +395,21 @@ def prepare(args: argparse.Namespace) -> tuple[dict[str, str], list[WorkerGroup]
     return env, groups, settings
 
 
+def quiet_options(env: Mapping[str, str]) -> list[str]:
+    """supervisord's options for a start whose terminal shows only the launcher's lines: its own log
+    (spawned, success, exited) goes to VG_RUN_DIR/supervisord.log alone (--silent), except for a
+    worker container (--workers-only), whose supervisor log is the container's; and as root, the user
+    it runs as named (--user 0), which it otherwise logs as a CRIT line on every start."""
+    options = [] if env.get("VG_START_GATEWAY") == "false" else ["--silent"]
+    return [*options, "--user", "0"] if os.getuid() == 0 else options
+
+
 def start(env: dict[str, str]) -> subprocess.Popen[bytes]:
     """supervisord in a session of its own, so a hang-up of the terminal reaches only this launcher,
     which stops the stack in order; a signal to the whole terminal would reach every program at once
     (and makes supervisord reload its configuration). The launcher forwards Ctrl-C, SIGTERM and SIGHUP."""
-    proc = subprocess.Popen([*supervisor_command("supervisord"), "-c", str(SHIPPED_CONF)], env=env, cwd=env["VG_ROOT"],
-                            start_new_session=True)
+    proc = subprocess.Popen([*supervisor_command("supervisord"), "-c", str(SHIPPED_CONF), *quiet_options(env)], env=env,
+                            cwd=env["VG_ROOT"], start_new_session=True)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: proc.send_signal(signal.SIGTERM))
     return proc

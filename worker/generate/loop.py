@@ -15,12 +15,13 @@ import redis.asyncio as aioredis
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import RedisError, ResponseError
 
+from vramguard.worker.exitcode import ExitCode
 from vramguard.worker.generate.kvmeasure import build_kv_plan
 from vramguard.worker.generate.server import GenerationServer
 from vramguard.worker.memory.budget import MemoryBudget
 
 if TYPE_CHECKING:
-    from vramguard.worker.runner import ExitCode, Worker
+    from vramguard.worker.runner import Worker
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,6 @@ class GenerationLoop:
 
     async def serve(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> ExitCode:
         """Serve until a signal; returns the exit code (OK when every running sequence finished)."""
-        from vramguard.worker.runner import ExitCode
-
         backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
         failures = 0
         grace_until: float | None = None
