@@ -1,12 +1,15 @@
-"""Out of memory inside a generation step (prefill or decode), handled as the batch path does
-(worker/batch/execute.py): the step is undone, the running batch's KV cache freed, and its sequences
-wait to run again in fewer rows, under a row cap that was halved (`RowCap`); a sequence that
-runs out of memory alone gets its own error. Runs on the model thread; no Redis.
+"""Out of memory inside a generation step, handled as the batch path does (worker/batch/execute.py):
+the step is undone, its sequences give their KV blocks back and wait to run again in fewer rows,
+under a row cap that was halved (`RowCap`); a sequence that runs out of memory alone gets its own
+error. Runs on the model thread; no Redis.
 
-Undoing a step keeps every sequence's tokens as they were before it (the tokens of the failed
-step are dropped, never sent): the sequence is prefilled again from its prompt and completion
-so far, as a resumed one is, and its next tokens are the same (sampling is derived from the seed
-and the token position), so no token is lost or repeated.
+The pool itself never causes this: a full pool preempts (engine.py). What can is a step's
+activations beyond the plan (no planner, or a device shared past its promises).
+
+Undoing a step keeps every sequence's tokens as they were before it (the failed step appended
+none): the sequence is prefilled again from its prompt and completion so far, as a preempted or
+resumed one is, and its next tokens are the same (sampling is derived from the seed and the
+token position), so no token is lost or repeated.
 """
 
 from __future__ import annotations
@@ -42,22 +45,7 @@ class RowCap:
             self._streak = 0
 
 
-def step_marks(engine: Engine) -> list[tuple[Sequence, int]]:
-    """The sequences a step computes (running rows, then joining ones) with their token counts before it."""
-    return [(s, len(s.generated)) for s in (*engine.running, *(s for s, _ in engine.joining))]
-
-
-def undo_step(engine: Engine, marks: list[tuple[Sequence, int]]) -> list[Sequence]:
-    """After an OOM in a step: free the batch's KV cache and the joining sequences' caches, put
-    each sequence's tokens back to `marks` and mark it unprefilled. Returns the sequences, in order,
-    to be admitted again (the engine is left empty)."""
-    engine.kv.keep([])
-    for _seq, cache in engine.joining:
-        free = getattr(cache, "free", None)  # a simulated cache holds device blocks; a DynamicCache is collected
-        if free is not None:
-            free()
-    engine.running, engine.joining = [], type(engine.joining)()
-    for seq, tokens in marks:
-        del seq.generated[tokens:]
-        seq.prefilled = 0
-    return [seq for seq, _ in marks]
+def undo_step(engine: Engine) -> list[Sequence]:
+    """After an OOM in a step: every running sequence gives its blocks back and goes to the head of
+    the waiting queue, unprefilled, in order. Returns them."""
+    return engine.preempt_all()
