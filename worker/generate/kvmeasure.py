@@ -14,10 +14,12 @@ from typing import Any, cast
 
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import (
+    CPU_POOL_BYTES,
     DEFAULT_BLOCK_TOKENS,
     DEFAULT_STEP_TARGET_MS,
     TRASH_BLOCKS,
     KVPlan,
+    KVPlanError,
     plan_kv,
     size_token_budget,
 )
@@ -50,6 +52,19 @@ def _probe_step(backend: Any, pool: KVPool, request_id: str, tokens: int) -> flo
     return elapsed
 
 
+def _fitting_step(backend: Any, pool: KVPool, tokens: int) -> float | None:
+    """A probe step of `tokens` tokens on a fresh "context" sequence: its seconds, or None when it ran
+    out of memory (the exception does not outlive the except block: PyTorch FAQ)."""
+    import torch
+
+    pool.release("context")
+    try:
+        return _probe_step(backend, pool, "context", tokens)
+    except torch.cuda.OutOfMemoryError:
+        pass
+    return None
+
+
 def _peak(accounting: MemoryAccounting, run: Any) -> int:
     """Bytes a call adds at its peak over what was allocated before it (reset_peak_memory_stats,
     then max_memory_allocated, as worker/memory/budget.py measures forwards)."""
@@ -69,7 +84,13 @@ def measure_steps(backend: Any, pool: KVPool, accounting: MemoryAccounting | Non
     highest, block = int(backend.max_item_cost), pool.block_tokens
     small = min(_probe_step(backend, pool, "small", block) for _ in range(2))
     pool.release("small")
-    big = _probe_step(backend, pool, "context", highest)  # also the cache the third step reads
+    while True:  # also the cache the third step reads
+        big = _fitting_step(backend, pool, highest)
+        if big is not None or highest <= block:
+            break
+        highest //= 2  # a step this long ran out of memory: the budget stays below it
+    if big is None:
+        raise KVPlanError(f"a step of {highest} tokens runs out of memory next to the probe pool")
     per_token_ms = 1000 * (big - small) / max(1, highest - block)
     if "token_budget" in params:
         budget = max(1, int(cast(int, params["token_budget"])))
@@ -103,9 +124,10 @@ def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int,
     if measured != expected:
         log.warning("KV cache bytes per token measured differ from the model config's",
                     extra={"measured": measured, "config": expected})
-    context = 0 if budget.accounting.kind == "cpu" else plan.context_bytes
+    on_cpu = budget.accounting.kind == "cpu"
+    context = 0 if on_cpu else plan.context_bytes
     fitted = Fit(plan.fixed_bytes, plan.per_unit_bytes).predict(token_budget) if plan.planned else 0
-    pool_tokens = params.get("pool_tokens")
+    pool_tokens = params.get("pool_tokens", CPU_POOL_BYTES // max(expected, measured) if on_cpu else None)
     kv = plan_kv(budget_bytes=plan.budget_bytes, context_bytes=context, weights_bytes=plan.weights_bytes,
                  step_fixed_bytes=max(fixed, fitted), read_bytes_per_token=read,
                  bytes_per_token=max(expected, measured), measured_bytes_per_token=measured, block_tokens=block,

@@ -30,6 +30,10 @@ the plan allows), prefix_sharing (default true)."""
 DEFAULT_MAX_STEP_TOKENS = 512
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
 DEFAULT_STEP_TARGET_MS = 200.0
+CPU_POOL_BYTES = 1 << 30
+"""The pool's default cap on the CPU, where the budget is a share of the host's memory rather than a
+device set aside for the model (vLLM's CPU build has the same kind of default: VLLM_CPU_KVCACHE_SPACE,
+4 GiB); pool_tokens overrides it."""
 TRASH_BLOCKS = 2  # PagedAttentionCache's two trash sectors (padding slots), a block each
 
 
@@ -80,12 +84,15 @@ class KVPlan:
 def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_fixed_bytes: int,
             read_bytes_per_token: int, bytes_per_token: int, measured_bytes_per_token: int, block_tokens: int,
             token_budget: int, max_running: int, context_window: int, pool_tokens: int | None = None) -> KVPlan:
-    """The plan for one worker (the module docstring's formula; all bytes). `pool_tokens` caps the
-    pool below what the budget allows. Raises KVPlanError when no block fits."""
+    """The plan for one worker (the module docstring's formula; all bytes). The pool holds at most
+    max_running sequences at the full context window, and at most `pool_tokens` when given. Raises
+    KVPlanError when no block fits."""
     block_bytes = bytes_per_token * block_tokens
     room = budget_bytes - context_bytes - weights_bytes - step_fixed_bytes - TRASH_BLOCKS * block_bytes
     per_block = block_bytes + max(0, read_bytes_per_token) * block_tokens
     num_blocks = room // per_block if room > 0 and per_block > 0 else 0
+    # More than every running sequence at the full window could never be used.
+    num_blocks = min(num_blocks, max_running * -(-context_window // block_tokens))
     if pool_tokens is not None:
         num_blocks = min(num_blocks, -(-pool_tokens // block_tokens))
     if num_blocks < 1:

@@ -1,7 +1,7 @@
 """Out of memory inside a generation step, handled as the batch path does (worker/batch/execute.py):
-the step is undone, its sequences give their KV blocks back and wait to run again in fewer rows,
-under a row cap that was halved (`RowCap`); a sequence that runs out of memory alone gets its own
-error. Runs on the model thread; no Redis.
+the step is undone, its sequences give their KV blocks back and wait to run again in fewer rows and
+fewer tokens per step, under caps that were halved (`RowCap`); a sequence that runs out of memory
+alone in a step of one token gets its own error. Runs on the model thread; no Redis.
 
 The pool itself never causes this: a full pool preempts (engine.py). What can is a step's
 activations beyond the plan (no planner, or a device shared past its promises).
@@ -24,24 +24,32 @@ RECOVER_STEPS = 32  # steps without OOM before the row cap goes up by one row
 
 @dataclass(slots=True)
 class RowCap:
-    """The most rows the running batch may hold now: the KV plan's max_running, halved after each
-    OOM (down to 1) and raised by one row after RECOVER_STEPS steps that ran without one."""
+    """The most rows the running batch may hold now (`value`, from the KV plan's max_running,
+    `ceiling`) and the most tokens a step computes (`tokens`, from the plan's token budget,
+    `token_ceiling`): both halved after each OOM (down to 1) and raised, by one row and by a
+    sixteenth of the budget, after RECOVER_STEPS steps that ran without one (additive increase,
+    multiplicative decrease, as worker/memory/budget.py's AdaptiveCap)."""
 
     ceiling: int
+    token_ceiling: int = 1 << 30
     value: int = 0
+    tokens: int = 0
     _streak: int = 0
 
     def __post_init__(self) -> None:
         self.value = self.value or self.ceiling
+        self.tokens = self.tokens or self.token_ceiling
 
     def on_oom(self, rows: int) -> None:
         self.value = max(1, min(self.value, rows) // 2)
+        self.tokens = max(1, self.tokens // 2)
         self._streak = 0
 
     def on_step(self) -> None:
         self._streak += 1
-        if self._streak >= RECOVER_STEPS and self.value < self.ceiling:
-            self.value += 1
+        if self._streak >= RECOVER_STEPS and (self.value < self.ceiling or self.tokens < self.token_ceiling):
+            self.value = min(self.ceiling, self.value + 1)
+            self.tokens = min(self.token_ceiling, self.tokens + max(1, self.token_ceiling // 16))
             self._streak = 0
 
 

@@ -93,7 +93,7 @@ class GenerationServer:
         self._engine = Engine(backend, pool, plan.token_budget, plan.max_running)
         self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
         self.stats = GenerationStats()
-        self._rows = RowCap(plan.max_running)  # lowered by an OOM inside a step (oom.py)
+        self._rows = RowCap(plan.max_running, plan.token_budget)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
         self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
 
@@ -250,16 +250,18 @@ class GenerationServer:
         return emitted
 
     async def _after_oom(self, redis: aioredis.Redis) -> None:
-        """Undo the step, free its blocks, halve the row cap and queue its sequences to run again in
-        fewer rows; one that ran out of memory alone ends with its own error (413), as in the batch path."""
+        """Undo the step, free its blocks, halve the caps and queue its sequences to run again in fewer
+        rows and tokens; one that ran out of memory alone in a one-token step ends with its own error
+        (413), as in the batch path."""
+        tokens = self._rows.tokens
         seqs = await self._threads.run(undo_step, self._engine)
         self._rows.on_oom(len(seqs))
         if self._on_oom is not None:
             await self._threads.run(self._on_oom, len(seqs))
         log.warning("out of memory in a generation step; cache freed, sequences run again in fewer rows",
                     extra={"sequences": len(seqs), "max_rows": self._rows.value})
-        if len(seqs) != 1:
-            return  # queued again, at the head
+        if len(seqs) != 1 or tokens > 1:
+            return  # queued again, at the head, for fewer rows and tokens
         self.stats.failed += 1
         seq = seqs[0]
         self._engine.remove({id(seq)})
@@ -269,7 +271,7 @@ class GenerationServer:
         await self._finish(redis, [Outgoing(seq.reply_to, reply)], [seq.entry_id], [], progress_of=[seq])
 
     def _compute(self) -> list[Emitted]:
-        self._engine.max_running = self._rows.value
+        self._engine.max_running, self._engine.token_budget = self._rows.value, self._rows.tokens
         advanced = self._engine.step()
         self.stats.steps += 1
         self.stats.tokens_generated += len(advanced)
