@@ -7,6 +7,7 @@ token t + 1 follows token t, so any lost or repeated token shows."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,53 @@ async def test_a_request_behind_31_long_generations_gets_its_first_token_within_
         assert not any(f.done() for f in long)
         for f in long:
             f.cancel()
+
+
+SYSTEM = " ".join("abcdefgh"[: 1 + i % 8] for i in range(300))  # 300 tokens (a token per word)
+
+
+async def held_blocks_at_peak(client: httpx.AsyncClient, prompts: list[str], finished: int) -> tuple[int, list[str]]:
+    """Run `prompts` concurrently (32 tokens each: the last is admitted before the first ends); the
+    most blocks held at once since start, once they are all counted, and their texts."""
+    responses = await asyncio.gather(*(client.post("/v1/completions", json=completion(p, 32)) for p in prompts))
+    assert [r.status_code for r in responses] == [200] * len(prompts)
+
+    async def counted() -> bool:
+        generation = (await beat(client))["generation"]
+        return generation["finished"] >= finished and generation["kv_blocks_used"] == 0  # type: ignore[no-any-return]
+
+    await wait_until(counted, 20)
+    generation = (await beat(client))["generation"]
+    plan = generation["kv_plan"]
+    peak = generation["kv_bytes_peak"] // (plan["block_tokens"] * plan["bytes_per_token"])
+    return peak, [r.json()["choices"][0]["text"] for r in responses]
+
+
+@pytest.mark.timeout(300)
+async def test_a_shared_300_token_system_prompt_holds_fewer_blocks(stack: Stack, tmp_path: Path) -> None:
+    """1. One worker with prefix sharing: 16 concurrent completions whose prompts are the same
+    300-token system prompt and a question of their own; then 16 whose system prompts differ in
+    their first word.
+    2. A worker without prefix sharing: the 16 shared-prompt completions again.
+    Result: the shared ones took their prefix from the pool (prefix hits) and held at their peak
+    fewer blocks than the distinct ones then did (the pool's counters); the texts are the same with
+    and without sharing."""
+    await start(stack, tmp_path, "step_ms = 2.0")
+    shared = [f"{SYSTEM} question{'x' * i}" for i in range(16)]
+    distinct = [f"{'y' * (i + 1)}{SYSTEM} question" for i in range(16)]
+    async with httpx.AsyncClient(base_url=stack.url, timeout=240) as client:
+        shared_peak, with_sharing = await held_blocks_at_peak(client, shared, 16)
+        hits = (await beat(client))["generation"]["prefix_hits"]
+        distinct_peak, _ = await held_blocks_at_peak(client, distinct, 32)
+    stack.workers[0].send_signal(signal.SIGTERM)
+    assert stack.workers[0].wait(timeout=60) == 0
+    models = str(tmp_path / "models.toml")
+    (tmp_path / "models.toml").write_text(MODELS_FILE.format(params="step_ms = 2.0, prefix_sharing = 0.0"))
+    stack.start_worker(model="simlm", device="cpu", models_file=models, served_models="simlm")
+    await stack.wait_ready()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=240) as client:
+        unshared_peak, without = await held_blocks_at_peak(client, shared, 16)
+    assert hits >= 8
+    assert shared_peak < distinct_peak and shared_peak < unshared_peak
+    assert distinct_peak >= 16 * 19  # each its own 19 blocks of prompt
+    assert with_sharing == without

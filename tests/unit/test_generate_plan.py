@@ -38,9 +38,12 @@ def test_a_budget_without_room_for_a_block_is_refused() -> None:
 
 
 def test_the_token_budget_keeps_a_step_near_its_target_time() -> None:
-    assert size_token_budget(fixed_ms=20, ms_per_token=1.0, target_ms=200, lowest=48, highest=512) == 180
-    assert size_token_budget(fixed_ms=20, ms_per_token=10.0, target_ms=200, lowest=48, highest=512) == 48
-    assert size_token_budget(fixed_ms=1, ms_per_token=0.001, target_ms=200, lowest=48, highest=512) == 512
+    # 20 + 1 ms a token: 200 ms hold 180 tokens; 4 decode steps of 8 rows (4 x 28 ms) hold fewer
+    assert size_token_budget(fixed_ms=20, ms_per_token=1.0, target_ms=200, rows=8, lowest=24, highest=512) == 180
+    # 10 ms a token (a CPU): 4 decode steps of 32 rows, 4 x 340 ms, hold 134 tokens
+    assert size_token_budget(fixed_ms=20, ms_per_token=10.0, target_ms=200, rows=32, lowest=48, highest=512) == 134
+    assert size_token_budget(fixed_ms=20, ms_per_token=50.0, target_ms=200, rows=1, lowest=48, highest=512) == 48
+    assert size_token_budget(fixed_ms=1, ms_per_token=0.001, target_ms=200, rows=32, lowest=48, highest=512) == 512
 
 
 def test_stop_string_cuts_the_text_and_is_never_half_sent() -> None:

@@ -31,11 +31,11 @@ from typing import Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.generation.continuous_batching.utils import build_attention_mask
 
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
+from vramguard.worker.generate.attention import ATTENTION
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import DEFAULT_MAX_STEP_TOKENS, GENERATION_PARAMS
 from vramguard.worker.generate.kvpool import KVPool
@@ -72,6 +72,7 @@ class CausalLMBackend:
         self._tokenizer = AutoTokenizer.from_pretrained(folder)
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         self._model = model.to(self.device).eval()
+        self._model.set_attn_implementation(ATTENTION)  # each sequence's own attention in a packed step
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))
         self.context_window = min(window, int(config.max_position_embeddings))
@@ -215,10 +216,10 @@ class CausalLMBackend:
                       prefix_sharing=prefix_sharing)
 
     def forward_step(self, pool: KVPool, chunks: Sequence[Chunk]) -> torch.Tensor:
-        """One step over `chunks` packed in one row (transformers' continuous-batching layout: a
-        block-diagonal causal mask, each chunk's keys and values written to and read from its
-        blocks by PagedAttentionCache.update). Returns [len(chunks), vocab] float32 logits of each
-        chunk's last token."""
+        """One step over `chunks` packed in one row (transformers' continuous-batching layout: each
+        chunk's keys and values written to and read from its blocks by PagedAttentionCache.update,
+        each sequence's attention over its own context: attention.py). Returns [len(chunks), vocab]
+        float32 logits of each chunk's last token."""
         with torch.inference_mode():
             out = self._model(**packed_inputs(pool, chunks, self.device))
         return out.logits[0].float()  # type: ignore[no-any-return]
@@ -226,9 +227,9 @@ class CausalLMBackend:
 
 def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[str, Any]:
     """The model's keyword arguments for one packed step (transformers' PagedAttentionArgs):
-    input_ids and position_ids [1, T] int64, the additive mask [1, 1, T, K] float32 (0 where a token
-    may attend, the dtype's minimum elsewhere; build_attention_mask), read and write slots of the
-    pool, cumulative query and key lengths, and the rows whose logits are kept."""
+    input_ids and position_ids [1, T] int64, read and write slots of the pool, cumulative query and
+    key lengths, and the rows whose logits are kept. No mask: attention.py takes each sequence's
+    keys by the cumulative lengths."""
     ids: list[int] = []
     positions: list[int] = []
     cu_q, cu_k, read, write, keep = [0], [0], [], [], []  # type: ignore[var-annotated]
@@ -240,12 +241,10 @@ def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[st
         cu_k.append(cu_k[-1] + chunk.past + n)
         pool.indices(chunk.seq.request_id, chunk.past, n, read, write)
         keep.append(cu_q[-1] - 1)
-    mask = torch.full((1, 1, cu_q[-1], cu_k[-1]), torch.finfo(torch.float32).min, dtype=torch.float32)
-    build_attention_mask(mask, cu_q, cu_k)
     lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
     lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
     return {"input_ids": torch.tensor([ids], device=device), "position_ids": torch.tensor([positions], device=device),
-            "attention_mask": mask.to(device), "cache": pool.cache, "use_cache": False,
+            "attention_mask": None, "cache": pool.cache, "use_cache": False,
             "read_index": [torch.tensor(read, dtype=torch.long, device=device)],
             "write_index": [torch.tensor(write, dtype=torch.long, device=device)],
             "cu_seq_lens_q": torch.tensor(cu_q, dtype=torch.int32, device=device),

@@ -1,7 +1,8 @@
 """The KV plan of a starting generative worker, from what it measures: the memory plan's budget,
 context and weights (worker/memory/budget.py), then, in a small probe pool, a step's time per token
 (the token budget) and a step's activation peak with a cache present (what each cached token the
-step reads adds to it), then the pool itself, allocated once. The arithmetic is kvplan.py's.
+step reads adds to it), then the pool itself, allocated once. The arithmetic is kvplan.py's. Three
+probe steps, a few hundred tokens: SmolLM2-135M computes one in 2-8 ms on a CPU core.
 """
 
 from __future__ import annotations
@@ -52,56 +53,60 @@ def _probe_step(backend: Any, pool: KVPool, request_id: str, tokens: int) -> flo
     return elapsed
 
 
-def _fitting_step(backend: Any, pool: KVPool, tokens: int) -> float | None:
-    """A probe step of `tokens` tokens on a fresh "context" sequence: its seconds, or None when it ran
-    out of memory (the exception does not outlive the except block: PyTorch FAQ)."""
+def _fitting_step(backend: Any, pool: KVPool, tokens: int,
+                  accounting: MemoryAccounting | None) -> tuple[float, int] | None:
+    """A probe step of `tokens` tokens on a fresh "context" sequence: its seconds and peak, or None
+    when it ran out of memory (the exception does not outlive the except block: PyTorch FAQ)."""
     import torch
 
     pool.release("context")
     try:
-        return _probe_step(backend, pool, "context", tokens)
+        return _measured(backend, pool, "context", tokens, accounting)
     except torch.cuda.OutOfMemoryError:
         pass
     return None
 
 
-def _peak(accounting: MemoryAccounting, run: Any) -> int:
-    """Bytes a call adds at its peak over what was allocated before it (reset_peak_memory_stats,
-    then max_memory_allocated, as worker/memory/budget.py measures forwards)."""
+def _measured(backend: Any, pool: KVPool, request_id: str, tokens: int,
+              accounting: MemoryAccounting | None) -> tuple[float, int]:
+    """A probe step's seconds and the bytes it added at its peak over what was allocated before it
+    (reset_peak_memory_stats, then max_memory_allocated, as worker/memory/budget.py measures
+    forwards; 0 without accounting)."""
+    if accounting is None:
+        return _probe_step(backend, pool, request_id, tokens), 0
     accounting.empty_cache()
     before = accounting.allocated_bytes()
     accounting.reset_peak()
-    run()
-    return max(0, accounting.peak_bytes() - before)
+    seconds = _probe_step(backend, pool, request_id, tokens)
+    return seconds, max(0, accounting.peak_bytes() - before)
 
 
 def measure_steps(backend: Any, pool: KVPool, accounting: MemoryAccounting | None, params: Mapping[str, object],
                   max_running: int) -> tuple[int, int, int]:
-    """In probe `pool`: the token budget (params' token_budget, else sized from a step of one block
-    and one of max_step_tokens, timed), then a step's peak at that budget over no cache, and over a
-    cache of max_step_tokens tokens (None accounting: no peaks). Returns (token_budget,
-    step_fixed_bytes, read_bytes_per_token)."""
+    """Three probe steps in `pool`: one block's tokens (twice, timed), max_step_tokens (timed; halved
+    while it runs out of memory), and the token budget over the cache the second left (a step's
+    reads). The budget is params' token_budget, else sized from the first two's times
+    (kvplan.size_token_budget). Returns (token_budget, step_fixed_bytes: the peak at the budget over
+    no cache, between the first two's, read_bytes_per_token: what each cached token the third read
+    added); no peaks (0) without accounting."""
     highest, block = int(backend.max_item_cost), pool.block_tokens
-    small = min(_probe_step(backend, pool, "small", block) for _ in range(2))
+    small, small_peak = min(_measured(backend, pool, "small", block, accounting) for _ in range(2))
     pool.release("small")
-    while True:  # also the cache the third step reads
-        big = _fitting_step(backend, pool, highest)
-        if big is not None or highest <= block:
-            break
+    while (big := _fitting_step(backend, pool, highest, accounting)) is None and highest > block:
         highest //= 2  # a step this long ran out of memory: the budget stays below it
     if big is None:
         raise KVPlanError(f"a step of {highest} tokens runs out of memory next to the probe pool")
-    per_token_ms = 1000 * (big - small) / max(1, highest - block)
+    per_token_ms = 1000 * (big[0] - small) / max(1, highest - block)
     if "token_budget" in params:
         budget = max(1, int(cast(int, params["token_budget"])))
     else:
         budget = size_token_budget(fixed_ms=1000 * small - per_token_ms * block, ms_per_token=per_token_ms,
                                    target_ms=float(cast(float, params.get("step_target_ms", DEFAULT_STEP_TARGET_MS))),
-                                   lowest=min(highest, max_running + block), highest=highest)
+                                   rows=max_running, lowest=min(highest, max_running + block), highest=highest)
     if accounting is None:
         return budget, 0, 0
-    fixed = _peak(accounting, lambda: _probe_step(backend, pool, "fixed", budget))
-    with_cache = _peak(accounting, lambda: _probe_step(backend, pool, "context", budget))
+    fixed = small_peak + (big[1] - small_peak) * max(0, budget - block) // max(1, highest - block)
+    _seconds, with_cache = _measured(backend, pool, "context", budget, accounting)  # reads the big step's tokens
     return budget, fixed, max(0, (with_cache - fixed) // highest)
 
 

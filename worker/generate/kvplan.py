@@ -24,12 +24,17 @@ GENERATION_PARAMS = frozenset({"chunk_ms", "token_budget", "max_step_tokens", "b
                                "pool_tokens", "prefix_sharing"})
 """params every generative model takes (models file or catalogue `params`): chunk_ms (server.py);
 token_budget (tokens one step computes; unset: sized from measured step times), max_step_tokens (the
-largest budget, default 512), step_target_ms (the step time the sized budget aims at, default 200),
+largest budget, default 256), step_target_ms (the shortest step time the sized budget aims at,
+default 200; it aims at STEP_STALL decode steps of max_running rows when that is longer),
 block_tokens (tokens per KV block, default 16), pool_tokens (a cap on the pool's tokens below what
 the plan allows), prefix_sharing (default true)."""
-DEFAULT_MAX_STEP_TOKENS = 512
+DEFAULT_MAX_STEP_TOKENS = 256
 DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
 DEFAULT_STEP_TARGET_MS = 200.0
+STEP_STALL = 4.0
+"""A step with prefill chunks may take as long as this many decode steps of a full batch: the running
+streams' inter-token time at most this much longer while requests arrive (Sarathi-Serve's stall-free
+batching bounds the same thing with a token budget)."""
 CPU_POOL_BYTES = 1 << 30
 """The pool's default cap on the CPU, where the budget is a share of the host's memory rather than a
 device set aside for the model (vLLM's CPU build has the same kind of default: VLLM_CPU_KVCACHE_SPACE,
@@ -109,11 +114,14 @@ def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_f
                   token_budget=token_budget, max_running=max_running, context_window=context_window)
 
 
-def size_token_budget(*, fixed_ms: float, ms_per_token: float, target_ms: float, lowest: int, highest: int) -> int:
-    """The tokens one step may compute: as many as keep a step within `target_ms`, by the measured
-    step time fixed_ms + ms_per_token x tokens, between `lowest` (room for every running sequence's
-    decode and a block of prefill) and `highest` (max_step_tokens, what the memory plan measured)."""
+def size_token_budget(*, fixed_ms: float, ms_per_token: float, target_ms: float, rows: int, lowest: int,
+                      highest: int) -> int:
+    """The tokens one step may compute: as many as keep a step within the longer of `target_ms` and
+    STEP_STALL decode steps of `rows` rows, by the measured step time fixed_ms + ms_per_token x
+    tokens, between `lowest` (room for every running sequence's decode and a block of prefill) and
+    `highest` (max_step_tokens, what the memory plan measured)."""
     if ms_per_token <= 0:
         return highest
-    fitted = int((target_ms - fixed_ms) / ms_per_token)
+    target = max(target_ms, STEP_STALL * (fixed_ms + ms_per_token * rows))
+    fitted = int((target - fixed_ms) / ms_per_token)
     return max(lowest, min(highest, fitted))
