@@ -53,35 +53,44 @@ async def settled(client: httpx.AsyncClient, finished: int) -> dict[str, Any]:
     return await generation(client)
 
 
-async def test_a_shared_system_prompt_and_preemption_change_no_text(stack: Stack) -> None:
-    """1. A worker with prefix sharing: 16 concurrent greedy chats with the same ~300-token system
-    prompt.
-    2. A worker without prefix sharing and a pool of four times a prompt's blocks plus one (four
-    chats are admitted, and their growth finds one block free): the same 16 chats concurrently,
-    then two of them alone.
-    Result: the chats found their prefix in the pool and shared blocks; the texts are the same with
-    sharing, without it under preemption (counted on /metrics), and alone; no OOM, no failure."""
+async def story_texts(client: httpx.AsyncClient, indexes: list[int]) -> list[str]:
+    bodies = [{"model": "smollm2", "prompt": f"Once upon a time, in village number {i}, there lived",
+               "max_tokens": 48, "temperature": 0} for i in indexes]
+    responses = await asyncio.gather(*(client.post("/v1/completions", json=b) for b in bodies))
+    assert [r.status_code for r in responses] == [200] * len(bodies), {r.text for r in responses}
+    return [r.json()["choices"][0]["text"] for r in responses]
+
+
+async def test_shared_prompts_and_preemption_change_no_text(stack: Stack) -> None:
+    """1. A worker with prefix sharing and a pool of 48 blocks of 16 tokens: 16 concurrent greedy
+    chats with the same ~300-token system prompt; then 16 concurrent 48-token story completions
+    (each a block of prompt, 4 at the end: 64 blocks in all), then two of them alone.
+    2. A worker without prefix sharing: the same 16 chats.
+    Result: the chats found their prefix in the pool; the full pool preempted sequences (counted on
+    /metrics); every story is the one run alone, and the chats' texts are the same with and without
+    sharing; no OOM, no failure."""
     shared = [chat(SYSTEM, q, 16) for q in QUESTIONS]
     stack.start_gateway(served_models="smollm2")
-    first = stack.start_worker(**worker_settings(pool_tokens=16384))
+    first = stack.start_worker(**worker_settings(pool_tokens=48 * 16))
     await stack.wait_ready(timeout_s=300)
     async with httpx.AsyncClient(base_url=stack.url, timeout=800) as client:
-        with_sharing, prompt_tokens = await texts(client, shared)
-        after_shared = await settled(client, 16)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 0
-        blocks = 4 * -(-prompt_tokens // 16) + 1
-        stack.start_worker(**worker_settings(pool_tokens=blocks * 16, prefix_sharing=0))
-        await stack.wait_ready(timeout_s=300)
-        without, _ = await texts(client, shared)
-        alone = [(await texts(client, [shared[i]]))[0][0] for i in (0, 15)]
-        stats = await settled(client, 18)
+        with_sharing, _ = await texts(client, shared)
+        stories = await story_texts(client, list(range(16)))
+        alone = [(await story_texts(client, [i]))[0] for i in (0, 15)]
+        stats = await settled(client, 34)
         workers = (await client.get("/v1/models/smollm2")).json()["workers"]
         scrape = (await client.get("/metrics")).text
-    assert after_shared["prefix_hits"] >= 8 and after_shared["prefix_hit_tokens"] >= 8 * 256
-    assert with_sharing == without and alone == [without[0], without[15]]
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 0
+        stack.start_worker(**worker_settings(prefix_sharing=0))
+        await stack.wait_ready(timeout_s=300)
+        without, _ = await texts(client, shared)
+        unshared = await settled(client, 16)
+    assert stats["prefix_hits"] >= 8 and stats["prefix_hit_tokens"] >= 8 * 256
     preempted = sum(s.value for f in text_string_to_metric_families(scrape) for s in f.samples
                     if s.name == "vramguard_generation_preemptions_total")
-    assert stats["preemptions"] > 0 and preempted == stats["preemptions"] and stats["prefix_hits"] == 0
-    assert stats["kv_plan"]["num_blocks"] == blocks and stats["failed"] == 0
+    assert stats["preemptions"] > 0 and preempted == stats["preemptions"]
+    assert alone == [stories[0], stories[15]]
+    assert with_sharing == without and unshared["prefix_hits"] == 0
+    assert stats["kv_plan"]["num_blocks"] == 48 and stats["failed"] == 0
     assert [w["oom_events"] for w in workers.values()] == [0]
