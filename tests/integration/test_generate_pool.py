@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import Stack, wait_until
 
+pytestmark = pytest.mark.slow  # real processes, 30-90 s each on 2 busy cores
+
 MODELS_FILE = """
 [simlm]
 backend = "vramguard.worker.generate.synthetic_lm:SyntheticLMBackend"
