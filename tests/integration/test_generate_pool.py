@@ -13,9 +13,11 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Stack, wait_until
+from tests.helpers import RedisServer, Stack, wait_until
+from vramguard.shared.keys import Keys
 
 pytestmark = pytest.mark.slow  # real processes, 30-90 s each on 2 busy cores
 
@@ -169,3 +171,33 @@ async def test_a_shared_300_token_system_prompt_holds_fewer_blocks(stack: Stack,
     assert shared_peak < distinct_peak and shared_peak < unshared_peak
     assert distinct_peak >= 16 * 19  # each its own 19 blocks of prompt
     assert with_sharing == without
+
+
+@pytest.mark.timeout(300)
+async def test_the_worker_reads_only_what_its_pool_can_admit(stack: Stack, tmp_path: Path,
+                                                             redis_server: RedisServer, key_prefix: str) -> None:
+    """1. One worker whose pool holds 160 tokens (10 blocks: about 5 admissions of a 2-token prompt
+    at 2 blocks each), 20 ms a step.
+    2. 32 concurrent 64-token completions.
+    Result: while they run, most of them stay unread in the stream (pending in the consumer group
+    stays at what the pool admits, not the 64 rows max_batch_size allows), where an idle worker could
+    take them; all 32 finish."""
+    await start(stack, tmp_path, "pool_tokens = 160.0, step_ms = 20.0")
+    redis = aioredis.Redis.from_url(redis_server.url)
+    stream = Keys(key_prefix).request_stream("simlm")
+    most_pending = 0
+    try:
+        async with httpx.AsyncClient(base_url=stack.url, timeout=240) as client:
+            calls = asyncio.gather(*(client.post("/v1/completions", json=completion(f"w {'x' * (i + 1)}", 64))
+                                     for i in range(32)))
+            task = asyncio.ensure_future(calls)
+            while not task.done():
+                if await redis.exists(stream):
+                    groups = await redis.xinfo_groups(stream)
+                    most_pending = max(most_pending, *(int(g["pending"]) for g in groups))
+                await asyncio.sleep(0.05)
+            responses = await task
+    finally:
+        await redis.aclose()
+    assert [r.status_code for r in responses] == [200] * 32
+    assert 0 < most_pending <= 10  # the pool's 10 blocks bound what is read, not max_batch_size (64)
