@@ -248,6 +248,8 @@ class Worker:
         limit = self.budget.max_batch_cost if self.budget is not None else None
         cost = min(window, limit) if limit is not None else window
         n_items = min(2, self.config.max_batch_size, limit // cost if limit is not None else 2)
+        if hasattr(self.backend, "forward_step"):  # a generative step is one packed row of at most `window` tokens
+            n_items = 1
         per_cost = 0.0 if configured is not None else measure_seconds_per_cost(
             cost, n_items, lambda n: self._run_sample(cost, n))
         self.hang.timeout = ForwardTimeout(configured, per_cost, self._decode_s_per_item)

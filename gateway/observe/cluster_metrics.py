@@ -136,16 +136,29 @@ def _histogram_families(beats: list[WorkerBeat]) -> Iterator[Metric]:
 GENERATION_SERIES = (
     ("generation_running_sequences", "gauge", "Sequences in the running batch (prefilling included).", "running", 1.0),
     ("generation_waiting_sequences", "gauge", "Sequences read and waiting for KV-cache room.", "waiting", 1.0),
-    ("kv_cache_used_bytes", "gauge", "Bytes the KV cache's tensors hold now.", "kv_bytes_used", 1.0),
-    ("kv_cache_reserved_bytes", "gauge", "KV bytes the running sequences may grow to (admission).",
+    ("kv_cache_used_bytes", "gauge", "KV bytes of the tokens the sequences hold now.", "kv_bytes_used", 1.0),
+    ("kv_cache_reserved_bytes", "gauge", "KV bytes of the blocks the sequences hold (last blocks whole).",
      "kv_bytes_reserved", 1.0),
-    ("kv_cache_peak_bytes", "gauge", "The most bytes the KV cache held since start.", "kv_bytes_peak", 1.0),
+    ("kv_cache_peak_bytes", "gauge", "The most bytes of blocks the sequences held at once since start.",
+     "kv_bytes_peak", 1.0),
     ("generated_tokens", "counter", "Tokens generated.", "tokens_generated", 1.0),
     ("generation_finished", "counter", "Sequences that finished (stop or length).", "finished", 1.0),
     ("generation_cancelled", "counter", "Sequences stopped because their client left.", "cancelled", 1.0),
     ("generation_resumed", "counter", "Sequences resumed from a dead worker's progress.", "resumed", 1.0),
     ("generation_lost", "counter", "Sequences a worker stopped because another claimed their entry (it stalled).",
      "lost", 1.0),
+    ("generation_preemptions", "counter", "Sequences preempted when the KV pool was full (blocks freed, "
+     "tokens kept, prefilled again later).", "preemptions", 1.0),
+    ("kv_cache_blocks", "gauge", "Blocks in the KV pool.", "kv_blocks_total", 1.0),
+    ("kv_cache_used_blocks", "gauge", "KV pool blocks the sequences hold now (a shared block once).",
+     "kv_blocks_used", 1.0),
+    ("kv_cache_shared_blocks", "gauge", "KV pool blocks held by two sequences or more (prefix sharing).",
+     "kv_blocks_shared", 1.0),
+    ("kv_cache_held_tokens", "gauge", "Tokens the sequences hold in the KV pool now.", "kv_tokens_held", 1.0),
+    ("kv_cache_prefix_hits", "counter", "Admissions that found their prompt's first blocks in the KV pool.",
+     "prefix_hits", 1.0),
+    ("kv_cache_prefix_hit_tokens", "counter", "Prompt tokens taken from shared blocks instead of computed.",
+     "prefix_hit_tokens", 1.0),
     # Time to first token and per output token are histograms: the worker's heartbeat histograms.
 )
 
@@ -154,7 +167,7 @@ def _generation_families(beats: list[WorkerBeat]) -> Iterator[Metric]:
     stats = [(beat, json.loads(beat.generation)) for beat in beats if beat.generation]
     if not stats:
         return
-    plan = GaugeMetricFamily(m.PREFIX + "kv_cache_plan_bytes", "The KV cache's planned bytes (budget).",
+    plan = GaugeMetricFamily(m.PREFIX + "kv_cache_plan_bytes", "The KV pool's bytes, allocated once at start.",
                              labels=list(m.WORKER_LABELS))
     for beat, data in stats:
         plan.add_metric(m.worker_label_values(beat), float(data["kv_plan"]["kv_budget_bytes"]))

@@ -1,34 +1,49 @@
-"""The pure parts of text generation: the KV plan's admission rule, the text a sequence may send
+"""The pure parts of text generation: the KV pool's plan and the step's token budget, the text a sequence may send
 (stop strings, held-back characters), and the sampler's seed per token position."""
 
 from __future__ import annotations
 
 import pytest
 
-from vramguard.worker.generate.kvplan import KVPlanError, plan_kv
+from vramguard.worker.generate.kvplan import KVPlan, KVPlanError, plan_kv, size_token_budget
 from vramguard.worker.generate.sampling import position_seed
 from vramguard.worker.generate.sequence import next_text
 
 
-def _plan(tokens_fit: int, max_running: int = 64):  # type: ignore[no-untyped-def]
-    return plan_kv(budget_bytes=tokens_fit * 10 + 1000, context_bytes=0, weights_bytes=1000, step_peak_bytes=0,
-                   bytes_per_token=10, measured_bytes_per_token=10, max_running=max_running,
-                   prefill_chunk_tokens=128, context_window=2048)
+def _plan(**overrides: int) -> KVPlan:
+    values = {"budget_bytes": 100_000, "context_bytes": 1_000, "weights_bytes": 9_000, "step_fixed_bytes": 10_000,
+              "read_bytes_per_token": 2, "bytes_per_token": 10, "measured_bytes_per_token": 10, "block_tokens": 16,
+              "token_budget": 64, "max_running": 64, "context_window": 2048, **overrides}
+    return plan_kv(**values)  # type: ignore[arg-type]
 
 
-def test_admission_reserves_rows_times_the_longest_row() -> None:
-    plan = _plan(tokens_fit=1000)
-    assert plan.tokens_fit == 1000
-    assert plan.admits([300, 300], 300)  # 3 x 300 = 900
-    assert not plan.admits([300, 300], 400)  # 3 x 400 = 1200: the padded layout, not the sum (1000)
-    assert plan.reserved_bytes([100, 250]) == 2 * 250 * 10
-    assert not _plan(tokens_fit=10_000, max_running=2).admits([10, 10], 10)
+def test_pool_blocks_pay_for_their_share_of_the_steps_reads() -> None:
+    plan = _plan()
+    # room = 100000 - 1000 - 9000 - 10000 - 2 trash blocks x 160 = 79680; a block 160 + 16 x 2 = 192 bytes
+    assert plan.num_blocks == 79_680 // 192 == 415
+    assert plan.tokens_fit == 415 * 16 and plan.pool_bytes == (415 + 2) * 160
+    assert plan.step_peak_bytes == 10_000 + 2 * 415 * 16  # a step that reads the whole pool
+    assert plan.context_bytes + plan.weights_bytes + plan.step_peak_bytes + plan.pool_bytes <= plan.budget_bytes
+    assert plan.fits_alone(415 * 16) and not plan.fits_alone(415 * 16 + 1)
 
 
-def test_a_budget_without_room_for_a_token_is_refused() -> None:
-    with pytest.raises(KVPlanError, match="no KV cache"):
-        plan_kv(budget_bytes=1000, context_bytes=0, weights_bytes=900, step_peak_bytes=100, bytes_per_token=10,
-                measured_bytes_per_token=10, max_running=1, prefill_chunk_tokens=1, context_window=10)
+def test_pool_caps_never_plan_more_than_can_be_used() -> None:
+    assert _plan(max_running=2, context_window=100).num_blocks == 2 * 7  # two sequences at the full window
+    assert _plan(pool_tokens=100).num_blocks == 7
+
+
+def test_a_budget_without_room_for_a_block_is_refused() -> None:
+    with pytest.raises(KVPlanError, match="no block of the KV pool"):
+        _plan(budget_bytes=20_000)
+
+
+def test_the_token_budget_keeps_a_step_near_its_target_time() -> None:
+    # 20 + 1 ms a token: 200 ms hold 180 tokens; 4 decode steps of 8 rows (4 x 28 ms) hold fewer
+    assert size_token_budget(fixed_ms=20, ms_per_token=1.0, target_ms=200, rows=8, lowest=24, highest=512) == 180
+    # 10 ms a token (a CPU): 4 decode steps of 32 rows, 4 x 340 ms, hold 134 tokens
+    assert size_token_budget(fixed_ms=20, ms_per_token=10.0, target_ms=200, rows=32, lowest=48, highest=512) == 134
+    assert size_token_budget(fixed_ms=20, ms_per_token=50.0, target_ms=200, rows=1, lowest=48, highest=512) == 48
+    assert size_token_budget(fixed_ms=1, ms_per_token=0.001, target_ms=200, rows=32, lowest=48, highest=512) == 512
 
 
 def test_stop_string_cuts_the_text_and_is_never_half_sent() -> None:

@@ -7,15 +7,14 @@ It follows the batch contract (worker/backend.py) for what every model gets at s
 weights' bytes, the activation peak of prefill forwards per token (worker/memory/budget.py measures
 `forward` on `sample_item`s), the warmup and the idle probe (one prefill, the next token). The
 generation loop (worker/generate/server.py) uses the methods below the contract: prompt
-tokens, `prefill`, `step_forward` for KVBatch, `detokenize`.
+tokens, `new_pool` (the KV pool, once), `forward_step` (one packed step), `detokenize`.
 
 options (catalogue or models file): `package` (an installed package holding the model files)
 or `path` (a folder); `gguf_file` (a GGUF file name in it; transformers de-quantizes it, which
 takes a minute on a CPU, so the result is saved once under `cache_dir`, default
 ~/.cache/vramguard/<model>, keyed by the file's SHA-256, and later starts load that);
-`context_window` (tokens; default the model config's max_position_embeddings). params:
-`prefill_chunk_tokens` (default 128): the most prompt tokens one step prefills, the bound on
-how long a joining prompt stalls the running sequences.
+`context_window` (tokens; default the model config's max_position_embeddings). params: those of
+every generative model (kvplan.GENERATION_PARAMS: the step's token budget, the block size, ...).
 """
 
 from __future__ import annotations
@@ -31,13 +30,16 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
+from vramguard.worker.generate.attention import ATTENTION
+from vramguard.worker.generate.engine import Chunk
+from vramguard.worker.generate.kvplan import DEFAULT_MAX_STEP_TOKENS, GENERATION_PARAMS
+from vramguard.worker.generate.kvpool import KVPool
 
-DEFAULT_PREFILL_CHUNK_TOKENS = 128
 ROLES = frozenset({"system", "user", "assistant"})
 
 
@@ -45,15 +47,15 @@ class CausalLMBackend:
     """One causal LM on one device; `load` before anything else."""
 
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
-        unknown = set(config.params) - {"prefill_chunk_tokens", "chunk_ms"}
+        unknown = set(config.params) - GENERATION_PARAMS
         if unknown:
-            raise ValueError(f"{settings.model} takes params prefill_chunk_tokens and chunk_ms, got {sorted(unknown)}")
+            raise ValueError(f"{settings.model} takes params {sorted(GENERATION_PARAMS)}, got {sorted(unknown)}")
         if device == "sim":
             raise ValueError(f"{settings.model} runs on cuda or cpu; the simulated device is for synthetic models")
         self.name = settings.model
         self.device = device
         self.options = dict(settings.spec_for(settings.model).options)
-        self.prefill_chunk_tokens = int(config.params.get("prefill_chunk_tokens", DEFAULT_PREFILL_CHUNK_TOKENS))
+        self.max_step_tokens = int(config.params.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
         self._model: Any = None
         self._tokenizer: Any = None
         self.context_window = 0
@@ -71,6 +73,7 @@ class CausalLMBackend:
         dtype = getattr(torch, str(self.options.get("dtype", "float32")))  # a folder's: shared/folders.py
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
+        self._model.set_attn_implementation(ATTENTION)  # each sequence's own attention in a packed step
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))
         self.context_window = min(window, int(config.max_position_embeddings))
@@ -134,24 +137,15 @@ class CausalLMBackend:
         return 2 * c.num_hidden_layers * kv_heads * head_dim * self._model.dtype.itemsize  # type: ignore[no-any-return]
 
     @property
-    def kv_layers(self) -> int:
-        """Layers of the KV cache (a DynamicCache is copied one layer at a time: kvplan.py)."""
-        return int(self._model.config.num_hidden_layers)
-
-    @property
-    def kv_tensors(self) -> int:
-        """Tensors of the KV cache: keys and values of every layer (the plan's fragmentation allowance)."""
-        return 2 * self.kv_layers
-
-    @property
     def max_item_cost(self) -> int:
-        """A prefill forward's largest cost in tokens: the prefill chunk (the memory plan measures up to it)."""
-        return self.prefill_chunk_tokens
+        """A step's largest cost in tokens: max_step_tokens, the most the token budget may grow to (the
+        memory plan measures forwards of one packed row up to it)."""
+        return self.max_step_tokens
 
     # --- the batch contract (start, warmup, idle probe) ------------------------------------------
 
     def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
-        return [self.prompt_ids(value, parameters)[-self.prefill_chunk_tokens:] for value in inputs]
+        return [self.prompt_ids(value, parameters)[-self.max_step_tokens:] for value in inputs]
 
     def item_cost(self, item: object) -> int:
         return max(1, len(item))  # type: ignore[arg-type]
@@ -217,28 +211,47 @@ class CausalLMBackend:
         """The text of `ids`, special tokens (end of turn) left out."""
         return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
 
-    def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self._model.config)
+    def new_pool(self, num_blocks: int, block_tokens: int, prefix_sharing: bool = True) -> KVPool:
+        """The KV pool: `num_blocks` blocks of `block_tokens` tokens in the model's dtype, on its device."""
+        return KVPool(self._model.config, num_blocks, block_tokens, self.device, self._model.dtype,
+                      prefix_sharing=prefix_sharing)
 
-    def prefill(self, ids: Sequence[int], start: int, cache: DynamicCache) -> torch.Tensor:
-        """Run prompt tokens `ids` (positions start..start+len-1) into `cache` (batch 1).
-        Returns the last position's logits, [vocab] float32."""
-        device = self.device
-        tokens = torch.tensor([list(ids)], dtype=torch.long, device=device)
-        positions = torch.arange(start, start + len(ids), device=device)[None, :]
-        mask = torch.ones((1, start + len(ids)), dtype=torch.long, device=device)
+    def forward_step(self, pool: KVPool, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """One step over `chunks` packed in one row (transformers' continuous-batching layout: each
+        chunk's keys and values written to and read from its blocks by PagedAttentionCache.update,
+        each sequence's attention over its own context: attention.py). Returns [len(chunks), vocab]
+        float32 logits of each chunk's last token."""
         with torch.inference_mode():
-            out = self._model(input_ids=tokens, attention_mask=mask, position_ids=positions, cache=cache,
-                              use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1, :].float()  # type: ignore[no-any-return]
+            out = self._model(**packed_inputs(pool, chunks, self.device))
+        return out.logits[0].float()  # type: ignore[no-any-return]
 
-    def step_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                     cache: DynamicCache) -> torch.Tensor:
-        """One decode step of the running batch (kvbatch.StepForward): [rows, vocab] float32 logits."""
-        with torch.inference_mode():
-            out = self._model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                              use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1, :].float()  # type: ignore[no-any-return]
+
+def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[str, Any]:
+    """The model's keyword arguments for one packed step (transformers' PagedAttentionArgs):
+    input_ids and position_ids [1, T] int64, read and write slots of the pool, cumulative query and
+    key lengths, and the rows whose logits are kept. No mask: attention.py takes each sequence's
+    keys by the cumulative lengths."""
+    ids: list[int] = []
+    positions: list[int] = []
+    cu_q, cu_k, read, write, keep = [0], [0], [], [], []  # type: ignore[var-annotated]
+    for chunk in chunks:
+        n = len(chunk.tokens)
+        ids += chunk.tokens
+        positions += range(chunk.past, chunk.past + n)
+        cu_q.append(cu_q[-1] + n)
+        cu_k.append(cu_k[-1] + chunk.past + n)
+        pool.indices(chunk.seq.request_id, chunk.past, n, read, write)
+        keep.append(cu_q[-1] - 1)
+    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+    return {"input_ids": torch.tensor([ids], device=device), "position_ids": torch.tensor([positions], device=device),
+            "attention_mask": None, "cache": pool.cache, "use_cache": False,
+            "read_index": [torch.tensor(read, dtype=torch.long, device=device)],
+            "write_index": [torch.tensor(write, dtype=torch.long, device=device)],
+            "cu_seq_lens_q": torch.tensor(cu_q, dtype=torch.int32, device=device),
+            "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k, dtype=torch.int32, device=device)},
+            "max_length_q": max(lengths_q), "max_length_k": {"full_attention": max(lengths_k)},
+            "logits_to_keep": torch.tensor(keep, device=device)}
 
 
 def _is_message(value: object) -> bool:

@@ -1,170 +1,127 @@
-"""The KV-cache plan's arithmetic (docs/concepts/architecture.md "Memory"): what is left of the worker's budget
-after its context, weights and the activation peak of one step is the KV cache; a sequence is
-admitted to the running batch only when the cache can hold every running sequence at its
-largest (prompt + max_tokens), as the running batch lays it out (kvbatch.py: rows x the longest
-row). So a sequence that started always finishes: nothing is preempted, and a full cache makes
-requests wait in the stream. The budget is for reserved memory, which the cap binds, so the plan
-also sets aside the holes the cache's tensors leave in the caching allocator's segments
-(`fragmentation_bytes`). Pure numbers: no torch, no Redis.
+"""The KV pool's plan (docs/concepts/kv-cache.md): what is left of the worker's budget after its
+context, weights and the activation peak of one step becomes one pool of fixed-size blocks,
+allocated once at start (kvpool.py). Pure numbers: no torch, no Redis.
+
+    block_bytes = bytes_per_token x block_tokens
+    room        = budget - context - weights - step_fixed_bytes - TRASH_BLOCKS x block_bytes
+    num_blocks  = room // (block_bytes + read_bytes_per_token x block_tokens)
+    step_peak   = step_fixed_bytes + read_bytes_per_token x num_blocks x block_tokens
+
+step_fixed_bytes is a step's peak at the token budget over no cache; read_bytes_per_token is what
+each cached token a step reads adds to that peak (its keys and values read back for attention, its
+column of the mask), measured with a cache present (kvmeasure.py); a step reads at most the whole
+pool, so each block is planned with its share of that peak. Nothing about the cache is allocated
+per step: the pool is one tensor that lives as long as the worker, so the caching allocator leaves
+no holes beside it that a plan must set aside (the padded cache it replaced was made again at every
+step, join and leave, and needed that allowance).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
-from vramguard.worker.memory.simalloc import (
-    LARGE_BUFFER,
-    MIN_BLOCK_SIZE,
-    MIN_LARGE_ALLOC,
-    ROUND_LARGE,
-    SMALL_BUFFER,
-    SMALL_SIZE,
-    round_size,
-    segment_size,
-)
+GENERATION_PARAMS = frozenset({"chunk_ms", "token_budget", "max_step_tokens", "block_tokens", "step_target_ms",
+                               "pool_tokens", "prefix_sharing"})
+"""params every generative model takes (models file or catalogue `params`): chunk_ms (server.py);
+token_budget (tokens one step computes; unset: sized from measured step times), max_step_tokens (the
+largest budget, default 256), step_target_ms (the shortest step time the sized budget aims at,
+default 200; it aims at STEP_STALL decode steps of max_running rows when that is longer),
+block_tokens (tokens per KV block, default 16), pool_tokens (a cap on the pool's tokens below what
+the plan allows), prefix_sharing (default true)."""
+DEFAULT_MAX_STEP_TOKENS = 256
+DEFAULT_BLOCK_TOKENS = 16  # vLLM's default block size
+DEFAULT_STEP_TARGET_MS = 200.0
+STEP_STALL = 4.0
+"""A step with prefill chunks may take as long as this many decode steps of a full batch: the running
+streams' inter-token time at most this much longer while requests arrive (Sarathi-Serve's stall-free
+batching bounds the same thing with a token budget)."""
+CPU_POOL_BYTES = 1 << 30
+"""The pool's default cap on the CPU, where the budget is a share of the host's memory rather than a
+device set aside for the model (vLLM's CPU build has the same kind of default: VLLM_CPU_KVCACHE_SPACE,
+4 GiB); pool_tokens overrides it."""
+TRASH_BLOCKS = 2  # PagedAttentionCache's two trash sectors (padding slots), a block each
 
 
 class KVPlanError(RuntimeError):
-    """The budget leaves no room for one sequence of one token after weights and the step's peak."""
+    """The budget leaves no room for one block after weights and the step's peak."""
 
 
 @dataclass(frozen=True, slots=True)
 class KVPlan:
-    """bytes_per_token: one token of one sequence in the cache (model config, checked against a
-    measured prefill); kv_budget_bytes = budget - context - weights - step_peak_bytes (the
-    predicted peak of one step: a prefill chunk plus a decode token per running row) -
-    fragmentation_bytes (the room left for the caching allocator's holes beside the cache's tensors,
-    `holes_beside`, at the size where they bind);
-    copy_fraction: the share of the cache that exists twice while it changes (a join, a leave and
-    every decode step copy a DynamicCache's tensors one layer at a time: torch.cat / index_select
-    hold a layer's old and new tensors at once, two layers' worth at most, so 2 / layers);
-    tokens_fit = kv_budget_bytes // (bytes_per_token x (1 + copy_fraction)); max_running: the
-    configured cap on rows."""
+    """The module docstring's figures (bytes, tokens). bytes_per_token: one token of one sequence in
+    the cache (model config, checked against the pool's tensor); pool_bytes: the pool's tensor,
+    trash blocks included; tokens_fit = num_blocks x block_tokens; token_budget: the most tokens one
+    step computes (decodes and prefill chunks together); max_running: the configured cap on
+    sequences holding blocks."""
 
     bytes_per_token: int
     measured_bytes_per_token: int
     budget_bytes: int
     context_bytes: int
     weights_bytes: int
+    step_fixed_bytes: int
+    read_bytes_per_token: int
     step_peak_bytes: int
-    kv_budget_bytes: int
+    block_tokens: int
+    num_blocks: int
+    pool_bytes: int
     tokens_fit: int
+    token_budget: int
     max_running: int
-    prefill_chunk_tokens: int
     context_window: int
-    copy_fraction: float = 0.0
-    fragmentation_bytes: int = 0
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The KV cache's planned bytes: the pool's tensor (the gateway's kv_cache_plan_bytes)."""
+        return self.pool_bytes
 
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        return {**asdict(self), "kv_budget_bytes": self.kv_budget_bytes}
 
-    def admits(self, reserved: Iterable[int], new: int) -> bool:
-        """Whether the running sequences (each `reserved` tokens at most) and one more of `new`
-        tokens fit, laid out as rows x the longest row, within max_running rows."""
-        rows = [*reserved, new]
-        return len(rows) <= self.max_running and len(rows) * max(rows) <= self.tokens_fit
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens)
 
-    def reserved_bytes(self, reserved: Iterable[int]) -> int:
-        """The cache the running sequences may grow to (rows x longest row x bytes per token)."""
-        rows = list(reserved)
-        return len(rows) * max(rows, default=0) * self.bytes_per_token
+    def fits_alone(self, tokens: int) -> bool:
+        """Whether one sequence of `tokens` tokens (prompt + max_tokens) fits the pool by itself."""
+        return self.blocks_for(tokens) <= self.num_blocks
 
 
-def holes_beside(tensor_bytes: int, tensors: int) -> int:
-    """Reserved bytes the CUDA caching allocator may hold, unusable, beside `tensors` live tensors of
-    `tensor_bytes` each that are made again at a new size over and over, as a DynamicCache's per-layer
-    keys and values are by torch.cat at every decode step, join and leave.
-
-    From the allocator's rules (c10/cuda/CUDACachingAllocator.cpp, as worker/memory/simalloc.py keeps them):
-    tensors under kMinLargeAlloc (10 MiB) share segments of `segment_size` (2 MiB in the small pool,
-    20 MiB in the large one), seg // size to a segment, and the cap counts every segment whole, the
-    last one's empty slots and each one's remainder included. From 10 MiB up a tensor is alone in its
-    segment: a new one is rounded up to kRoundLarge (2 MiB), but best fit may also place it in a 20 MiB
-    segment that smaller tensors left cached, and the rest of that segment is then split off, too
-    small to use. Besides that, we take each segment to hold at most one free hole smaller than a
-    tensor (the old copy of one that grew, since best fit hands out any free block at least as large
-    as the request and freed neighbours merge): not a rule of the allocator, but what
-    `python -m bench.kv_fragmentation` found to hold over its 24 shapes. Expandable segments
-    (PYTORCH_CUDA_ALLOC_CONF) are not modelled here.
-    """
-    if tensor_bytes <= 0 or tensors <= 0:
-        return 0
-    size = round_size(tensor_bytes)
-    segment = segment_size(size)
-    if size < MIN_LARGE_ALLOC:
-        segments = math.ceil(tensors / (segment // size))  # at least 2 to a segment: it is twice its largest request
-        return segments * (segment + size) - tensors * size
-    alone = max(segment, LARGE_BUFFER) if size <= LARGE_BUFFER else segment
-    return tensors * (alone - size)
-
-
-def _piece_ends(largest: int) -> list[int]:
-    """The tensor sizes (bytes, up to `largest`) where `holes_beside` jumps, and the size just
-    before each: between two of them it is linear in the size, so its most over any range of sizes
-    is at one of these or at the range's end."""
-    jumps = {SMALL_SIZE + MIN_BLOCK_SIZE, MIN_LARGE_ALLOC, LARGE_BUFFER + MIN_BLOCK_SIZE}
-    # Tensors per segment drop below k past segment / k; the large pool holds requests over 1 MiB only.
-    for segment, smallest in ((SMALL_BUFFER, MIN_BLOCK_SIZE), (LARGE_BUFFER, SMALL_SIZE)):
-        jumps.update(MIN_BLOCK_SIZE * (segment // k // MIN_BLOCK_SIZE + 1) for k in range(2, segment // smallest + 1))
-    jumps.update(range(MIN_LARGE_ALLOC + MIN_BLOCK_SIZE, largest + 1, ROUND_LARGE))  # past each 2 MiB rounding
-    return sorted(size for jump in jumps for size in (jump - MIN_BLOCK_SIZE, jump) if 0 < size <= largest)
-
-
-def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_peak_bytes: int,
-            bytes_per_token: int, measured_bytes_per_token: int, max_running: int, prefill_chunk_tokens: int,
-            context_window: int, copy_fraction: float = 0.0, cache_tensors: int = 0) -> KVPlan:
-    """The plan for one worker (all bytes). `cache_tensors`: the tensors the cache is made of (keys
-    and values of every layer; 0 plans bytes alone). The cache of T tokens takes T x bytes_per_token
-    x (1 + copy_fraction), in tensors of T x bytes_per_token / cache_tensors bytes, and the
-    allocator's holes beside them and their copies in flight (`holes_beside`); tokens_fit is
-    the largest T for which that fits the room left at every size the cache passes through on its
-    way to T (the holes are not monotonic in the size). Raises KVPlanError when no token fits."""
-    room = budget_bytes - context_bytes - weights_bytes - step_peak_bytes
-    per_token = bytes_per_token * (1 + copy_fraction)
-    tokens = int(room // per_token) if bytes_per_token > 0 and room > 0 else 0
-    fragmentation = 0
-    if cache_tensors > 0 and tokens > 0:
-        tokens = _tokens_with_holes(room, bytes_per_token, copy_fraction, cache_tensors, tokens)
-        fragmentation = int(room - tokens * per_token)  # rounded down, so kv_budget // per_token is tokens
-    kv_budget = room - fragmentation
-    if tokens < 1:
+def plan_kv(*, budget_bytes: int, context_bytes: int, weights_bytes: int, step_fixed_bytes: int,
+            read_bytes_per_token: int, bytes_per_token: int, measured_bytes_per_token: int, block_tokens: int,
+            token_budget: int, max_running: int, context_window: int, pool_tokens: int | None = None) -> KVPlan:
+    """The plan for one worker (the module docstring's formula; all bytes). The pool holds at most
+    max_running sequences at the full context window, and at most `pool_tokens` when given. Raises
+    KVPlanError when no block fits."""
+    block_bytes = bytes_per_token * block_tokens
+    room = budget_bytes - context_bytes - weights_bytes - step_fixed_bytes - TRASH_BLOCKS * block_bytes
+    per_block = block_bytes + max(0, read_bytes_per_token) * block_tokens
+    num_blocks = room // per_block if room > 0 and per_block > 0 else 0
+    # More than every running sequence at the full window could never be used.
+    num_blocks = min(num_blocks, max_running * -(-context_window // block_tokens))
+    if pool_tokens is not None:
+        num_blocks = min(num_blocks, -(-pool_tokens // block_tokens))
+    if num_blocks < 1:
         raise KVPlanError(
             f"the memory budget {budget_bytes / 2**20:.1f} MiB holds context {context_bytes / 2**20:.1f} + weights "
-            f"{weights_bytes / 2**20:.1f} + one step {step_peak_bytes / 2**20:.1f} MiB and no KV cache next to the "
-            f"caching allocator's holes")
+            f"{weights_bytes / 2**20:.1f} + one step {step_fixed_bytes / 2**20:.1f} MiB and no block of the KV pool "
+            f"({per_block / 2**20:.2f} MiB each with its share of the step's reads)")
     return KVPlan(bytes_per_token=bytes_per_token, measured_bytes_per_token=measured_bytes_per_token,
                   budget_bytes=budget_bytes, context_bytes=context_bytes, weights_bytes=weights_bytes,
-                  step_peak_bytes=step_peak_bytes, kv_budget_bytes=kv_budget, tokens_fit=int(tokens),
-                  max_running=max_running, prefill_chunk_tokens=prefill_chunk_tokens, context_window=context_window,
-                  copy_fraction=copy_fraction, fragmentation_bytes=fragmentation)
+                  step_fixed_bytes=step_fixed_bytes, read_bytes_per_token=max(0, read_bytes_per_token),
+                  step_peak_bytes=step_fixed_bytes + max(0, read_bytes_per_token) * num_blocks * block_tokens,
+                  block_tokens=block_tokens, num_blocks=int(num_blocks),
+                  pool_bytes=int((num_blocks + TRASH_BLOCKS) * block_bytes), tokens_fit=int(num_blocks * block_tokens),
+                  token_budget=token_budget, max_running=max_running, context_window=context_window)
 
 
-def _tokens_with_holes(room: int, bytes_per_token: int, copy_fraction: float, tensors: int, most: int) -> int:
-    """The largest T <= `most` whose cache, with its holes, fits `room` at every size up to T's (plan_kv)."""
-    in_flight = tensors + math.ceil(copy_fraction * tensors)  # the cache's tensors and the copies being made
-
-    def footprint(size: int) -> float:  # the cache with its tensors at `size` bytes each, copies and holes
-        return round_size(size) * tensors * (1 + copy_fraction) + holes_beside(size, in_flight)
-
-    def size_of(tokens: int) -> int:
-        return tokens * bytes_per_token // tensors
-
-    ends = _piece_ends(size_of(most))
-    running, highest = 0.0, []  # the most footprint over the piece ends so far
-    for end in ends:
-        running = max(running, footprint(end))
-        highest.append(running)
-
-    def fits(tokens: int) -> bool:
-        size = size_of(tokens)
-        before = bisect.bisect_right(ends, size)
-        return footprint(size) <= room and (before == 0 or highest[before - 1] <= room)
-
-    low, high = 0, most  # fits() only turns false as T grows: a running maximum
-    while low < high:
-        middle = (low + high + 1) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle - 1)
-    return low
+def size_token_budget(*, fixed_ms: float, ms_per_token: float, target_ms: float, rows: int, lowest: int,
+                      highest: int) -> int:
+    """The tokens one step may compute: as many as keep a step within the longer of `target_ms` and
+    STEP_STALL decode steps of `rows` rows, by the measured step time fixed_ms + ms_per_token x
+    tokens, between `lowest` (room for every running sequence's decode and a block of prefill) and
+    `highest` (max_step_tokens, what the memory plan measured)."""
+    if ms_per_token <= 0:
+        return highest
+    target = max(target_ms, STEP_STALL * (fixed_ms + ms_per_token * rows))
+    fitted = int((target - fixed_ms) / ms_per_token)
+    return max(lowest, min(highest, fitted))

@@ -35,13 +35,15 @@ class GenerationLoop:
 
     @classmethod
     async def start(cls, worker: Worker, budget: MemoryBudget, redis: aioredis.Redis) -> GenerationLoop:
-        """Measure the KV cache and plan it inside the worker's budget (on the model thread), and
-        publish the tokenizer for the gateways (before the first heartbeat says ready)."""
-        max_running = min(worker.config.max_batch_size, budget.plan.max_batch_size)
-        plan = await worker.threads.run(build_kv_plan, worker.backend, budget, max_running)
+        """Measure a step, plan the KV pool inside the worker's budget and allocate it, once (on the
+        model thread); publish the tokenizer for the gateways (before the first heartbeat says ready)."""
+        max_running = worker.config.max_batch_size  # a step is one packed row: the batch plan's rows do not bind it
+        params = worker.settings.model_config_for(worker.settings.model).params
+        plan, pool = await worker.threads.run(build_kv_plan, worker.backend, budget, max_running, params)
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
-        server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, threads=worker.threads,
-                                  on_oom=budget.on_oom, metrics=worker.metrics, hang=worker.hang)
+        server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, pool=pool,
+                                  threads=worker.threads, on_oom=budget.on_oom, metrics=worker.metrics,
+                                  hang=worker.hang)
         loop = cls(worker, server)
         await loop.publish_tokenizer(redis)
         return loop

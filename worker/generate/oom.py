@@ -1,12 +1,15 @@
-"""Out of memory inside a generation step (prefill or decode), handled as the batch path does
-(worker/batch/execute.py): the step is undone, the running batch's KV cache freed, and its sequences
-wait to run again in fewer rows, under a row cap that was halved (`RowCap`); a sequence that
-runs out of memory alone gets its own error. Runs on the model thread; no Redis.
+"""Out of memory inside a generation step, handled as the batch path does (worker/batch/execute.py):
+the step is undone, its sequences give their KV blocks back and wait to run again in fewer rows and
+fewer tokens per step, under caps that were halved (`RowCap`); a sequence that runs out of memory
+alone in a step of one token gets its own error. Runs on the model thread; no Redis.
 
-Undoing a step keeps every sequence's tokens as they were before it (the tokens of the failed
-step are dropped, never sent): the sequence is prefilled again from its prompt and completion
-so far, as a resumed one is, and its next tokens are the same (sampling is derived from the seed
-and the token position), so no token is lost or repeated.
+The pool itself never causes this: a full pool preempts (engine.py). What can is a step's
+activations beyond the plan (no planner, or a device shared past its promises).
+
+Undoing a step keeps every sequence's tokens as they were before it (the failed step appended
+none): the sequence is prefilled again from its prompt and completion so far, as a preempted or
+resumed one is, and its next tokens are the same (sampling is derived from the seed and the
+token position), so no token is lost or repeated.
 """
 
 from __future__ import annotations
@@ -21,43 +24,36 @@ RECOVER_STEPS = 32  # steps without OOM before the row cap goes up by one row
 
 @dataclass(slots=True)
 class RowCap:
-    """The most rows the running batch may hold now: the KV plan's max_running, halved after each
-    OOM (down to 1) and raised by one row after RECOVER_STEPS steps that ran without one."""
+    """The most rows the running batch may hold now (`value`, from the KV plan's max_running,
+    `ceiling`) and the most tokens a step computes (`tokens`, from the plan's token budget,
+    `token_ceiling`): both halved after each OOM (down to 1) and raised, by one row and by a
+    sixteenth of the budget, after RECOVER_STEPS steps that ran without one (additive increase,
+    multiplicative decrease, as worker/memory/budget.py's AdaptiveCap)."""
 
     ceiling: int
+    token_ceiling: int = 1 << 30
     value: int = 0
+    tokens: int = 0
     _streak: int = 0
 
     def __post_init__(self) -> None:
         self.value = self.value or self.ceiling
+        self.tokens = self.tokens or self.token_ceiling
 
     def on_oom(self, rows: int) -> None:
         self.value = max(1, min(self.value, rows) // 2)
+        self.tokens = max(1, self.tokens // 2)
         self._streak = 0
 
     def on_step(self) -> None:
         self._streak += 1
-        if self._streak >= RECOVER_STEPS and self.value < self.ceiling:
-            self.value += 1
+        if self._streak >= RECOVER_STEPS and (self.value < self.ceiling or self.tokens < self.token_ceiling):
+            self.value = min(self.ceiling, self.value + 1)
+            self.tokens = min(self.token_ceiling, self.tokens + max(1, self.token_ceiling // 16))
             self._streak = 0
 
 
-def step_marks(engine: Engine) -> list[tuple[Sequence, int]]:
-    """The sequences a step computes (running rows, then joining ones) with their token counts before it."""
-    return [(s, len(s.generated)) for s in (*engine.running, *(s for s, _ in engine.joining))]
-
-
-def undo_step(engine: Engine, marks: list[tuple[Sequence, int]]) -> list[Sequence]:
-    """After an OOM in a step: free the batch's KV cache and the joining sequences' caches, put
-    each sequence's tokens back to `marks` and mark it unprefilled. Returns the sequences, in order,
-    to be admitted again (the engine is left empty)."""
-    engine.kv.keep([])
-    for _seq, cache in engine.joining:
-        free = getattr(cache, "free", None)  # a simulated cache holds device blocks; a DynamicCache is collected
-        if free is not None:
-            free()
-    engine.running, engine.joining = [], type(engine.joining)()
-    for seq, tokens in marks:
-        del seq.generated[tokens:]
-        seq.prefilled = 0
-    return [seq for seq, _ in marks]
+def undo_step(engine: Engine) -> list[Sequence]:
+    """After an OOM in a step: every running sequence gives its blocks back and goes to the head of
+    the waiting queue, unprefilled, in order. Returns them."""
+    return engine.preempt_all()

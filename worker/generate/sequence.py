@@ -21,8 +21,10 @@ class Sequence:
     """A request being generated.
 
     prompt_ids: the prompt's tokens; generated: the completion's tokens so far (resumed ones
-    included); max_tokens: the completion's bound; reserved_tokens: what the KV plan holds for it
-    (prompt + max_tokens). chunk: the number of the last chunk written (0: none yet); text_sent:
+    included); max_tokens: the completion's bound. prefilled: tokens of its context in its KV
+    blocks; prefill_to: where its current prefill ends (its context at admission; a sequence
+    decodes once prefilled reaches it; both 0 while it holds no blocks). chunk: the number of
+    the last chunk written (0: none yet); text_sent:
     characters of the completion text in chunks up to `chunk`; text_before: where chunk `chunk`
     starts (a successor re-sends that chunk, since the client may not have it).
     """
@@ -40,14 +42,17 @@ class Sequence:
     text_before: int = 0
     text_sent: int = 0
     finish_reason: str | None = None
-    prefilled: int = 0  # prompt (+ resumed) tokens already in this sequence's cache
+    prefilled: int = 0
+    prefill_to: int = 0
+    read_step: int = 0  # the worker's step count when it read the request (steps to its first token)
     resumed: bool = False
     started_ms: float = 0.0  # monotonic, when admitted
     first_token_ms: float | None = None  # monotonic, when its first chunk was written
     last_chunk_ms: float = 0.0
 
     @property
-    def reserved_tokens(self) -> int:
+    def largest_tokens(self) -> int:
+        """The most tokens it may hold: prompt + max_tokens."""
         return len(self.prompt_ids) + self.max_tokens
 
     @property

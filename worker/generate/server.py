@@ -1,8 +1,9 @@
-"""The serve loop of a generative model (the worker runs it instead of the batch loop): read
-requests from the model's stream while the KV plan has room, admit them to the running batch
-at decode-step boundaries, run steps on the model thread, and after each step write progress,
-then chunks, then ack what finished (worker/generate/progress.py). Requests the cache cannot
-hold yet stay in the stream (unread), where another worker may take them.
+"""The serve loop of a generative model (the worker runs it instead of the batch loop): read as
+many requests from the model's stream as the KV pool can admit now, queue them for the engine
+(which admits them at step boundaries, worker/generate/engine.py), run steps on the model thread,
+and after each step write progress, then chunks, then ack what finished
+(worker/generate/progress.py). Requests the pool cannot take yet stay in the stream (unread),
+where an idle worker may take them.
 
 Entries of dead workers come back through worker/batch/reclaim.py; their progress in Redis lets this
 worker resume their sequences where the client's stream stands. A chunk whose publish fails is
@@ -16,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, cast
@@ -34,7 +34,8 @@ from vramguard.worker.batch.execute import is_oom
 from vramguard.worker.batch.publish import DeadLetter, Outgoing, publish_replies
 from vramguard.worker.generate.engine import Emitted, Engine
 from vramguard.worker.generate.kvplan import KVPlan
-from vramguard.worker.generate.oom import RowCap, step_marks, undo_step
+from vramguard.worker.generate.kvpool import KVPool
+from vramguard.worker.generate.oom import RowCap, undo_step
 from vramguard.worker.generate.progress import cancelled as cancel_flags
 from vramguard.worker.generate.progress import chunk_reply, read_progress, write_progress
 from vramguard.worker.generate.sampling import SamplingParams
@@ -62,10 +63,18 @@ class GenerationStats:
     failed: int = 0
     tokens_generated: int = 0
     steps: int = 0
-    kv_bytes_used: int = 0
-    kv_bytes_reserved: int = 0
+    kv_bytes_used: int = 0  # tokens the sequences hold x bytes per token
+    kv_bytes_reserved: int = 0  # blocks the sequences hold x block bytes (a shared block once)
     kv_bytes_peak: int = 0
-    kv_tokens_held: int = 0  # token states the cache holds for its sequences, padding left out (tokens_fit: the pool)
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_shared: int = 0
+    kv_tokens_held: int = 0
+    preemptions: int = 0
+    prefix_hits: int = 0
+    prefix_hit_tokens: int = 0
+    first_token_steps_last: int = 0  # steps from reading a request to its first token, the latest one
+    first_token_steps_max: int = 0
     ttft_ms_sum: float = 0.0
     ttft_count: int = 0
     tpot_ms_sum: float = 0.0  # time per output token after the first, summed over finished sequences
@@ -75,7 +84,7 @@ class GenerationStats:
 class GenerationServer:
     """Continuous batching for `settings.model` as consumer `worker_id`, inside `plan`."""
 
-    def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan,
+    def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan, pool: KVPool,
                  threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
                  metrics: WorkerMetrics | None = None, hang: HangGuard | None = None) -> None:
         self._settings = settings
@@ -86,11 +95,11 @@ class GenerationServer:
         self._keys = Keys(settings.key_prefix)
         self._model = settings.model
         self._stream = self._keys.request_stream(settings.model)
-        self._engine = Engine(backend)
-        self._pending: deque[Sequence] = deque()  # read, not yet admitted (a resumed one waits here too)
+        self._pool = pool
+        self._engine = Engine(backend, pool, plan.token_budget, plan.max_running)
         self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
         self.stats = GenerationStats()
-        self._rows = RowCap(plan.max_running)  # lowered by an OOM inside a step (oom.py)
+        self._rows = RowCap(plan.max_running, plan.token_budget)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
         self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
         self._hang = hang or HangGuard(lambda *_: None)  # the runner's guard ends a step that never returns
@@ -100,31 +109,38 @@ class GenerationServer:
 
     @property
     def busy(self) -> bool:
-        return bool(self._engine.running or self._engine.joining or self._pending or self._unsent)
+        return bool(self._engine.running or self._engine.waiting or self._unsent)
 
     def held_ids(self) -> list[EntryId]:
         """Entries being generated or waiting here (kept from looking dead by reclaim)."""
         return [s.entry_id for s in (*self._sequences(), *(e.seq for e in self._unsent))]
 
     def heartbeat_field(self) -> str:
-        self.stats.running = len(self._engine.running) + len(self._engine.joining)
-        self.stats.waiting = len(self._pending)
-        self.stats.kv_bytes_used = self._engine.kv.cache_bytes()  # after leaves too, not only after steps
-        # A running row holds its context but the newest token (fed at its next step); a joining one its prefill.
-        self.stats.kv_tokens_held = (sum(len(s.prompt_ids) + len(s.generated) - 1 for s in self._engine.running)
-                                     + sum(s.prefilled for s, _ in self._engine.joining))
+        self._note_pool()  # after leaves too, not only after steps
         return json.dumps({"kv_plan": self.plan.as_dict(), **asdict(self.stats)})
 
+    def _note_pool(self) -> None:
+        """The pool's counters into stats (running, waiting, blocks, tokens held, prefix sharing)."""
+        stats, pool, engine = self.stats, self._pool, self._engine
+        stats.running, stats.waiting = len(engine.running), len(engine.waiting)
+        stats.kv_blocks_total, stats.kv_blocks_used = pool.num_blocks, pool.held_blocks()
+        stats.kv_blocks_shared = pool.shared_blocks()
+        stats.kv_tokens_held = sum(s.prefilled for s in engine.running)
+        stats.kv_bytes_used = stats.kv_tokens_held * self.plan.bytes_per_token
+        stats.kv_bytes_reserved = stats.kv_blocks_used * self.plan.block_tokens * self.plan.bytes_per_token
+        stats.kv_bytes_peak = max(stats.kv_bytes_peak, stats.kv_bytes_reserved)
+        stats.preemptions, stats.prefix_hits, stats.prefix_hit_tokens = (
+            engine.preemptions, pool.prefix_hits, pool.prefix_hit_tokens)
+
     def _sequences(self) -> list[Sequence]:
-        return [*self._engine.running, *(s for s, _ in self._engine.joining), *self._pending]
+        return self._engine.sequences()
 
     # --- intake ---------------------------------------------------------------------------
 
     def room(self) -> int:
-        """How many entries to read now: none while one waits for cache room (it stays in the stream)."""
-        if self._pending:
-            return 0
-        return max(0, self._rows.value - len(self._engine.running) - len(self._engine.joining))
+        """How many entries to read now: as many as the pool can admit (none while one waits for
+        blocks; the rest stay in the stream, where an idle worker may take them)."""
+        return self._engine.room(self._rows.value)
 
     async def read(self, blocking: aioredis.Redis, block_ms: int | None) -> list[Entry]:
         """XREADGROUP up to room() new entries (block_ms None: do not block). Raises RedisError."""
@@ -156,7 +172,8 @@ class GenerationServer:
                 text, seq.text_sent = full[seq.text_before : seq.text_sent], seq.text_before
                 await self._publish(redis, [Emitted(seq, text)])
             elif seq is not None:
-                self._pending.append(seq)
+                seq.read_step = self.stats.steps
+                self._engine.add(seq)
 
     async def _sequence(self, redis: aioredis.Redis, entry: Entry) -> Sequence | None:
         msg = entry.message
@@ -172,8 +189,8 @@ class GenerationServer:
         max_tokens = completion_bound(len(prompt), None if given is None else int(cast(int, given)),
                                       self.plan.context_window, self.plan.tokens_fit,
                                       chat=bool(msg.inputs) and isinstance(msg.inputs[0], list))
-        if not self.plan.admits([], len(prompt) + max_tokens):
-            raise InputTooLargeError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens; the KV cache "
+        if not self.plan.fits_alone(len(prompt) + max_tokens):
+            raise InputTooLargeError(f"prompt + max_tokens = {len(prompt) + max_tokens} tokens; the KV pool "
                                      f"holds {self.plan.tokens_fit} tokens")
         seed = params.get("seed")
         seq = Sequence(request_id=msg.request_id, entry_id=entry.entry_id, reply_to=msg.reply_to,
@@ -199,23 +216,6 @@ class GenerationServer:
         log.info("sequence resumed", extra={"request_id": seq.request_id, "tokens": len(seq.generated),
                                             "chunk": seq.chunk})
 
-    def admit(self) -> None:
-        """Move waiting sequences into the engine while the KV plan holds them all at their largest."""
-        while self._pending:
-            seq = self._pending[0]
-            reserved = [s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining))]
-            if len(reserved) >= self._rows.value or not self.plan.admits(reserved, seq.reserved_tokens):
-                break
-            self._pending.popleft()
-            seq.started_ms = monotonic_ms()
-            self._engine.add(seq)
-        self._note_reserved()
-
-    def _note_reserved(self) -> None:
-        """stats.kv_bytes_reserved: what the KV plan holds for the sequences in the engine now."""
-        self.stats.kv_bytes_reserved = self.plan.reserved_bytes(
-            s.reserved_tokens for s in (*self._engine.running, *(s for s, _ in self._engine.joining)))
-
     # --- a step ---------------------------------------------------------------------------
 
     async def step(self, redis: aioredis.Redis) -> None:
@@ -223,22 +223,18 @@ class GenerationServer:
         try:
             await self._step(redis)
         finally:
-            # After the step, not only at admission: an idle worker reports the reservations of
-            # the sequences that just finished otherwise, until the next request.
-            self._note_reserved()
+            self._note_pool()
 
     async def _step(self, redis: aioredis.Redis) -> None:
         await self._drop_gone(redis)
         if self._unsent:  # finished sequences whose last chunk did not go out: again, before anything new
             unsent, self._unsent = self._unsent, []
             await self._send(redis, unsent)
-        self.admit()
         # Published alone, before this step's text is cut: that text starts where the re-sent chunk ends.
-        if any(s.resumed for s in self._engine.running):  # a thread hop only when one is owed
+        if any(s.resumed for s in self._engine.sequences()):  # a thread hop only when one is owed
             await self._publish(redis, await self._threads.run(self._resend))
-        if self._engine.running or self._engine.joining:
-            marks = step_marks(self._engine)
-            ids = [s.request_id for s in (*self._engine.running, *(s for s, _ in self._engine.joining))]
+        if self._engine.running or self._engine.waiting:
+            ids = [s.request_id for s in self._engine.sequences()]
             try:
                 # Timed as a forward is (worker/health/hang.py): a step that never returns ends the
                 # process, and its sequences are reclaimed and resumed from their progress elsewhere.
@@ -249,7 +245,7 @@ class GenerationServer:
                 await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
                 return
             if emitted is None:
-                await self._after_oom(redis, marks)
+                await self._after_oom(redis)
                 return
         else:
             emitted = []
@@ -267,32 +263,33 @@ class GenerationServer:
         self._rows.on_step()
         return emitted
 
-    async def _after_oom(self, redis: aioredis.Redis, marks: list[tuple[Sequence, int]]) -> None:
-        """Undo the step, free the cache, halve the row cap and queue its sequences to run again in
-        fewer rows; one that ran out of memory alone ends with its own error (413), as in the batch path."""
-        seqs = await self._threads.run(undo_step, self._engine, marks)
+    async def _after_oom(self, redis: aioredis.Redis) -> None:
+        """Undo the step, free its blocks, halve the caps and queue its sequences to run again in fewer
+        rows and tokens; one that ran out of memory alone in a one-token step ends with its own error
+        (413), as in the batch path."""
+        tokens = self._rows.tokens
+        seqs = await self._threads.run(undo_step, self._engine)
         self._rows.on_oom(len(seqs))
         if self._on_oom is not None:
             await self._threads.run(self._on_oom, len(seqs))
         log.warning("out of memory in a generation step; cache freed, sequences run again in fewer rows",
                     extra={"sequences": len(seqs), "max_rows": self._rows.value})
-        if len(seqs) > 1:
-            self._pending.extendleft(reversed(seqs))
-            return
+        if len(seqs) != 1 or tokens > 1:
+            return  # queued again, at the head, for fewer rows and tokens
         self.stats.failed += 1
         seq = seqs[0]
+        self._engine.remove({id(seq)})
         reply = ReplyMessage.failure(seq.request_id, InputTooLargeError.code,
                                      f"the sequence ({len(seq.context_ids)} tokens) does not fit the worker's "
                                      "memory budget even alone", worker_id=self.worker_id)
         await self._finish(redis, [Outgoing(seq.reply_to, reply)], [seq.entry_id], [], progress_of=[seq])
 
     def _compute(self) -> list[Emitted]:
+        self._engine.max_running, self._engine.token_budget = self._rows.value, self._rows.tokens
         advanced = self._engine.step()
         self.stats.steps += 1
         self.stats.tokens_generated += len(advanced)
-        used = self._engine.kv.cache_bytes()
-        self.stats.kv_bytes_used = used
-        self.stats.kv_bytes_peak = max(self.stats.kv_bytes_peak, used)
+        self._note_pool()
         now = monotonic_ms()
         due = [s for s in advanced if s.chunk == 0 or now - s.last_chunk_ms >= self._chunk_ms
                or len(s.generated) >= s.max_tokens or s.generated[-1] in self._backend.eos_token_ids]
@@ -301,7 +298,7 @@ class GenerationServer:
     def _resend(self) -> list[Emitted]:
         """A resumed sequence's last chunk, once: the client may not have it (the gateway drops it if so)."""
         out = []
-        for seq in self._engine.running:
+        for seq in self._engine.sequences():
             if seq.resumed and seq.chunk > 0:
                 seq.resumed = False
                 full = self._backend.detokenize(seq.generated)
@@ -321,6 +318,9 @@ class GenerationServer:
             e.seq.last_chunk_ms = now
             if e.seq.first_token_ms is None:
                 e.seq.first_token_ms = now
+                steps = self.stats.steps - e.seq.read_step
+                self.stats.first_token_steps_last = steps
+                self.stats.first_token_steps_max = max(self.stats.first_token_steps_max, steps)
                 self.stats.ttft_count += 1
                 self.stats.ttft_ms_sum += now - e.seq.started_ms
                 self._metrics.observe_first_token(now - e.seq.started_ms)
@@ -391,9 +391,7 @@ class GenerationServer:
         gone = [(s, c) for s, c in zip(seqs, flags, strict=True) if c or s.deadline_ms <= now]
         if not gone:
             return
-        ids = {id(s) for s, _ in gone}
-        self._engine.remove(ids)
-        self._pending = deque(s for s in self._pending if id(s) not in ids)
+        self._engine.remove({id(s) for s, _ in gone})
         replies = []
         for seq, was_cancelled in gone:
             if was_cancelled:
@@ -410,8 +408,8 @@ class GenerationServer:
         await self._finish(redis, replies, [s.entry_id for s, _ in gone], [], progress_of=[s for s, _ in gone])
 
     async def _fail_all(self, redis: aioredis.Redis, message: str) -> None:
-        seqs = [*self._engine.running, *(s for s, _ in self._engine.joining)]
-        self._engine = Engine(self._backend)
+        seqs = list(self._engine.running)  # the step's; the waiting ones did not run
+        self._engine.remove({id(s) for s in seqs})
         self.stats.failed += len(seqs)
         replies = [Outgoing(s.reply_to, ReplyMessage.failure(s.request_id, ModelError.code, message,
                                                              worker_id=self.worker_id)) for s in seqs]

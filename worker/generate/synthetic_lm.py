@@ -4,11 +4,13 @@ a real model's CPU cost. It follows the same contract as causal_lm.py's CausalLM
 
 A prompt's tokens are its words; the model answers token i+1 after token i (never its end
 token, 0), so every sequence runs to max_tokens. Memory, as params say: weights_mib held from
-load; per step step_fixed_mib + step_token_kib per token of the step (transient); the KV cache
-kv_kib per token of every row at the batch's padded width, held while the rows live, and two
-layers' copy of it (of `layers`) while it changes, as torch.cat / index_select copy a
-DynamicCache layer by layer. step_ms: a sleep per step (no compute). hold_step (tests): 1 lets a
-test hold one decode step by creating a file (worker/generate/stephold.py).
+load; per step step_fixed_mib + step_token_kib per token the step computes + read_kib per cached
+token it reads (transient: the keys and values a real attention reads back); the KV pool kv_kib per
+token, taken from the simulated allocator once when the pool is made (kvpool.py's block bookkeeping
+runs on the `meta` device, without storage). step_ms: a sleep per step (no compute); layers: kept
+for older models files (one pool tensor has no per-layer copies). hold_step (tests): 1 lets a test
+hold one step by creating a file (worker/generate/stephold.py). Also the params of every
+generative model (kvplan.GENERATION_PARAMS).
 """
 
 from __future__ import annotations
@@ -18,86 +20,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from transformers import LlamaConfig
 
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
+from vramguard.worker.generate.engine import Chunk
+from vramguard.worker.generate.kvplan import GENERATION_PARAMS
+from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.stephold import StepHold, hold_path
 from vramguard.worker.memory import simdevice
-from vramguard.worker.memory.simalloc import Block
 from vramguard.worker.memory.simdevice import SimDevice
 
 KIB, MIB = 1024, 1024 * 1024
 VOCAB = 1000
-DEFAULTS = {"weights_mib": 64.0, "step_fixed_mib": 4.0, "step_token_kib": 64.0, "kv_kib": 64.0, "layers": 8.0,
-            "step_ms": 1.0, "prefill_chunk_tokens": 64.0, "chunk_ms": 0.0}
-
-
-class SimCache:
-    """One sequence's cache while it is prefilled: `length` tokens of simulated memory."""
-
-    def __init__(self, sim: SimDevice | None, bytes_per_token: int) -> None:
-        self.sim, self.bytes_per_token, self.length = sim, bytes_per_token, 0
-        self._blocks: list[Block] = []  # one per prefill chunk, as each chunk's tensors are
-
-    def grow(self, tokens: int) -> None:
-        if self.sim is not None:
-            self._blocks.append(self.sim.allocate(tokens * self.bytes_per_token))
-        self.length += tokens
-
-    def free(self) -> None:
-        if self.sim is not None:
-            for block in self._blocks:
-                self.sim.release(block)
-        self._blocks.clear()
-        self.length = 0
-
-
-class SimKVBatch:
-    """KVBatch's interface (kvbatch.py) on simulated memory: rows x padded width x bytes per token."""
-
-    def __init__(self, sim: SimDevice | None, bytes_per_token: int, layers: int) -> None:
-        self.sim, self.bytes_per_token, self.layers = sim, bytes_per_token, layers
-        self.lengths: list[int] = []
-        self._held = 0
-        # One tensor per layer of rows x width tokens, as DynamicCache holds them.
-        self._layers: list[Block | None] = [None] * layers
-
-    @property
-    def rows(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def width(self) -> int:
-        return max(self.lengths, default=0)
-
-    def cache_bytes(self) -> int:
-        return self._held
-
-    def _resize(self) -> None:
-        """Hold rows x width tokens; a change copies layer by layer (one layer's new copy at a time)."""
-        wanted = self.rows * self.width * self.bytes_per_token
-        # Also when nothing is wanted: a copy an OOM cut short may hold layers while _held is stale.
-        if self.sim is not None and (wanted != self._held or not wanted):
-            for i, old in enumerate(self._layers):  # each layer's new tensor is made before its old one goes
-                self._layers[i] = self.sim.allocate(wanted // self.layers) if wanted else None
-                if old is not None:
-                    self.sim.release(old)
-        self._held = wanted
-
-    def join(self, cache: SimCache, length: int) -> None:
-        self.lengths.append(length)
-        self._resize()
-        cache.free()
-
-    def keep(self, rows: Sequence[int]) -> None:
-        self.lengths = [self.lengths[r] for r in rows]
-        self._resize()
-
-    def step(self, forward: Any, tokens: Sequence[int]) -> torch.Tensor:
-        self.lengths = [n + 1 for n in self.lengths]
-        self._resize()
-        return forward(list(tokens))  # type: ignore[no-any-return]
+DEFAULTS = {"weights_mib": 64.0, "step_fixed_mib": 4.0, "step_token_kib": 64.0, "read_kib": 1.0, "kv_kib": 64.0,
+            "layers": 8.0, "step_ms": 1.0, "max_step_tokens": 256.0, "chunk_ms": 0.0}
 
 
 class SyntheticLMBackend:
@@ -106,24 +44,22 @@ class SyntheticLMBackend:
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         params = dict(config.params)
         self._hold = StepHold(hold_path(settings.key_prefix, settings.model) if params.pop("hold_step", 0) else None)
-        unknown = set(params) - set(DEFAULTS)
+        unknown = set(params) - set(DEFAULTS) - GENERATION_PARAMS
         if unknown:
             raise ValueError(f"{settings.model}: unknown params {sorted(unknown)}; known: {sorted(DEFAULTS)}")
-        p = {**DEFAULTS, **params}
+        p = {**DEFAULTS, **{k: v for k, v in params.items() if k in DEFAULTS}}
         self.name, self.device = settings.model, device
         self.weights_bytes = int(p["weights_mib"] * MIB)
         self.step_fixed_bytes, self.step_token_bytes = int(p["step_fixed_mib"] * MIB), int(p["step_token_kib"] * KIB)
-        self.kv_bytes_per_token = int(p["kv_kib"] * KIB)
+        self.kv_bytes_per_token, self.read_bytes_per_token = int(p["kv_kib"] * KIB), int(p["read_kib"] * KIB)
         self.kv_layers, self.step_ms = max(1, int(p["layers"])), p["step_ms"]
-        self.prefill_chunk_tokens = int(p["prefill_chunk_tokens"])
+        self.max_step_tokens = int(p["max_step_tokens"])
+        if self.kv_bytes_per_token % 4 or self.kv_bytes_per_token <= 0:
+            raise ValueError(f"{settings.model}: kv_kib x 1024 must be a positive multiple of 4 bytes (float16 keys "
+                             "and values)")
         self.context_window = int(dict(settings.spec_for(settings.model).options).get("context_window", 4096))
         self.eos_token_ids = frozenset({0})
         self._sim: SimDevice | None = None
-
-    @property
-    def kv_tensors(self) -> int:
-        """Tensors of the KV cache: one per layer (SimKVBatch), for the plan's fragmentation allowance."""
-        return self.kv_layers
 
     def load(self) -> None:
         if self.device == "sim":
@@ -134,10 +70,10 @@ class SyntheticLMBackend:
 
     @property
     def max_item_cost(self) -> int:
-        return self.prefill_chunk_tokens
+        return self.max_step_tokens
 
     def decode(self, inputs: list[object], parameters: Mapping[str, object]) -> list[object]:
-        return [self.prompt_ids(v, parameters)[-self.prefill_chunk_tokens:] for v in inputs]
+        return [self.prompt_ids(v, parameters)[-self.max_step_tokens:] for v in inputs]
 
     def item_cost(self, item: object) -> int:
         return max(1, len(item))  # type: ignore[arg-type]
@@ -177,28 +113,33 @@ class SyntheticLMBackend:
     def detokenize(self, ids: Sequence[int]) -> str:
         return "".join(f" w{i}" for i in ids if i not in self.eos_token_ids)
 
-    def new_cache(self) -> SimCache:
-        return SimCache(self._sim, self.kv_bytes_per_token)
+    def new_pool(self, num_blocks: int, block_tokens: int, prefix_sharing: bool = True) -> KVPool:
+        """The KV pool's blocks (kvpool.py, on the meta device) and, on the simulated device, its
+        bytes taken from the simulated allocator in one allocation, as a real pool's one tensor."""
+        head_dim = self.kv_bytes_per_token // 4  # float16 keys and values; the layers' split does not matter here
+        config = LlamaConfig(num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1,
+                             head_dim=head_dim, hidden_size=head_dim, vocab_size=VOCAB)
+        pool = KVPool(config, num_blocks, block_tokens, "meta", torch.float16, prefix_sharing=prefix_sharing)
+        if self._sim is not None:
+            sim, block = self._sim, self._sim.allocate(pool.bytes)
+            pool._on_close = lambda: sim.release(block)
+        return pool
 
-    def new_batch(self) -> SimKVBatch:
-        return SimKVBatch(self._sim, self.kv_bytes_per_token, self.kv_layers)
-
-    def prefill(self, ids: Sequence[int], start: int, cache: SimCache) -> torch.Tensor:
-        cache.grow(len(ids))
-        with self._step_memory(len(ids)):
-            time.sleep(self.step_ms / 1000)
-        return self._logits([ids[-1]])[0]
-
-    def step_forward(self, tokens: list[int]) -> torch.Tensor:
+    def forward_step(self, pool: KVPool, chunks: Sequence[Chunk]) -> torch.Tensor:
+        """One step: a sleep, transient memory for the tokens it computes and the cached tokens it
+        reads, and each chunk's next token. Returns [len(chunks), vocab] logits."""
+        computed = sum(len(c.tokens) for c in chunks)
+        read = sum(c.past for c in chunks)
         self._hold()
-        with self._step_memory(len(tokens)):
+        with self._step_memory(computed, read):
             time.sleep(self.step_ms / 1000)
-        return self._logits(tokens)
+        return self._logits([c.tokens[-1] for c in chunks])
 
-    def _step_memory(self, tokens: int) -> Any:
+    def _step_memory(self, tokens: int, read: int = 0) -> Any:
         if self._sim is None:
             return _Nothing()
-        return self._sim.transient(self.step_fixed_bytes + self.step_token_bytes * tokens)
+        return self._sim.transient(self.step_fixed_bytes + self.step_token_bytes * tokens
+                                   + self.read_bytes_per_token * read)
 
     @staticmethod
     def _next(token: int) -> int:

@@ -270,7 +270,10 @@ def build_plan(
                   max_batch_size=config.max_batch_size, max_inflight_batches=config.max_inflight_batches)
     if not settings.memory_planner:
         return unplanned(**common)  # type: ignore[arg-type]
-    grid = measurement_grid(backend.max_item_cost, config.max_batch_size)
+    # A generative model's step is one packed row of up to max_item_cost tokens (worker/generate/engine.py):
+    # its batch sizes would measure padded batches it never runs.
+    rows = 1 if hasattr(backend, "forward_step") else config.max_batch_size
+    grid = measurement_grid(backend.max_item_cost, rows)
     fit = fit_peak(measure_samples(backend, accounting, grid, on_step))
     return plan_budget(fit=fit, **common)  # type: ignore[arg-type]
 
