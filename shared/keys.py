@@ -53,9 +53,6 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:hb:{{{worker_id}}}"
 
-    def liveness_probe(self, worker_id: str) -> str:
-        return f"{self.prefix}:alive:{{{worker_id}}}"
-
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{{{model}}}"
 

@@ -175,7 +175,7 @@ def test_gpu_overlay_gives_each_worker_one_gpu_and_probes_its_heartbeat() -> Non
     assert values["VRAMGUARD_WORKERS_PER_GPU"] == "1" and values["VRAMGUARD_DEVICE"] == "cuda"
     assert "CUDA_VISIBLE_DEVICES" not in {e["name"] for e in container["env"]}  # the device plugin sets it
     assert container["livenessProbe"]["exec"]["command"][:3] == ["python", "-m", "vramguard.worker.health.alive"]
-    assert (K8S.parents[1] / "worker" / "alive.py").exists()
+    assert (K8S.parents[1] / "worker" / "health" / "alive.py").exists()
     gateway = next(d for d in by_kind(docs, "Deployment") if "gateway" in d["metadata"]["name"])
     probes = gateway["spec"]["template"]["spec"]["containers"][0]
     assert (probes["readinessProbe"]["httpGet"]["path"], probes["livenessProbe"]["httpGet"]["path"]) == (
