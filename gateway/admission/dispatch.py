@@ -132,6 +132,11 @@ ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 # NOMKSTREAM) are failed as lost by the next check or the reply stream's keepalive, with those
 # enqueued before it.
 REPLY_CHECK_INTERVAL_MS = 100
+# The longest a request waits for its admission's round trip: a frozen Redis (SIGSTOP, a VM pause)
+# or a stopped primary answers nothing, and the request gets 503 this soon instead of waiting out
+# its deadline behind round trips that each wait COMMAND_TIMEOUT_S (shared/redis_client.py). An
+# admission already sent may still land once Redis answers: its entry then runs for nobody.
+ADMISSION_TIMEOUT_S = 2.0
 
 
 class Dispatcher:
@@ -235,10 +240,14 @@ class Dispatcher:
                                  deadline_ms=enqueued_ms + timeout_ms, enqueued_ms=enqueued_ms, parameters=parameters)
         stream = self._listener.register_stream(request_id, bound)
         try:
-            await asyncio.wait_for(asyncio.shield(self._admit(model, message)), timeout_ms / 1000)
+            await asyncio.wait_for(asyncio.shield(self._admit(model, message)),
+                                   min(timeout_ms / 1000, ADMISSION_TIMEOUT_S))
         except TimeoutError as exc:
             self._listener.discard(request_id)
-            raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
+            if timeout_ms / 1000 <= ADMISSION_TIMEOUT_S:
+                raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
+            raise UnavailableError(f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary "
+                                   "is stopped); request not queued, retry later") from exc
         except RedisError as exc:
             self._listener.discard(request_id)
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
@@ -288,7 +297,7 @@ class Dispatcher:
             # an admission still waiting for its round trip is then left out of it, and an entry
             # already added is answered to nobody (its reply is dropped).
             with Deadline(self._remaining_s(timeout_ms, started_ms)):
-                await self._admit(model, message)
+                await self._admit_within(model, message)
                 self._listener.mark_enqueued(request_id)
                 self.submitted += 1
                 # Queued, batched, run and published: until the reply is here.
@@ -309,6 +318,19 @@ class Dispatcher:
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
+
+    async def _admit_within(self, model: str, message: RequestMessage) -> None:
+        """`_admit` bounded by ADMISSION_TIMEOUT_S: past it, UnavailableError (503), the request's own
+        deadline notwithstanding (it stays the bound when it is the shorter)."""
+        bound = Deadline(ADMISSION_TIMEOUT_S)
+        try:
+            with bound:
+                await self._admit(model, message)
+        except TimeoutError:
+            if not bound.expired:
+                raise
+            raise UnavailableError(f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary "
+                                   "is stopped); request not queued, retry later") from None
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
         """Check the bound and XADD in one step (ADMISSION, one call for one round trip's admissions

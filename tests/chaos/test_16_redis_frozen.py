@@ -1,0 +1,116 @@
+"""Scenario 16: Redis frozen (SIGSTOP, as a VM pause or a swap storm freezes it) under a steady load.
+
+1. A gateway and a worker on a Redis of their own; a client sends 20 requests a second, each on
+   its own (open loop: a slow answer does not slow the sending), deadline 30 s.
+2. At 3 s the test SIGSTOPs Redis; at 18 s (15 s later) it SIGCONTs it; the load runs to 24 s.
+
+Result: no request gets a 500 or waits out its deadline (504); every request sent while Redis is
+frozen is answered 503 `unavailable` within 2.5 s, or served (those in flight when it froze are
+served once it thaws); every request sent from 1 s after SIGCONT is served. The bounds on elapsed
+time are times load_slack() (tests/helpers.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.chaos.conftest import CHAOS_SETTINGS
+from tests.chaos.load import record_figures
+from tests.helpers import RedisServer, Stack, load_slack
+
+RATE_PER_S = 20
+FREEZE_AT_S, FROZEN_S, LOAD_S = 3.0, 15.0, 24.0
+TIMEOUT_MS = 30_000
+ANSWER_BOUND_S = 2.5  # a request sent to a frozen Redis: 503 within this
+SERVED_AGAIN_S = 1.0  # after SIGCONT
+
+
+@dataclass
+class Answer:
+    sent_s: float
+    latency_s: float
+    status: int | None
+    code: str | None
+
+
+@pytest.fixture
+def frozen_stack(fast_settings: dict[str, object], tmp_path: Path) -> Iterator[tuple[Stack, RedisServer]]:
+    server = RedisServer()
+    server.start()
+    values = {k: v for k, v in fast_settings.items() if k != "redis_url"}
+    stack = Stack(server.url, tmp_path, **{**values, **CHAOS_SETTINGS})
+    try:
+        yield stack, server
+    finally:
+        if server.proc is not None:
+            server.proc.send_signal(signal.SIGCONT)
+        stack.stop()
+        server.stop()
+
+
+async def open_loop(url: str, rate_per_s: float, duration_s: float, started: float) -> list[Answer]:
+    """`rate_per_s` requests a second for `duration_s`, each sent on schedule whatever the others do."""
+    answers: list[Answer] = []
+    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10,
+                                 limits=httpx.Limits(max_connections=1000)) as http:
+
+        async def one(value: int) -> None:
+            sent = time.monotonic()
+            try:
+                response = await http.post("/v1/models/synthetic/infer",
+                                           json={"inputs": [value], "timeout_ms": TIMEOUT_MS})
+                code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
+                status: int | None = response.status_code
+            except httpx.HTTPError as exc:
+                status, code = None, repr(exc)
+            answers.append(Answer(sent - started, time.monotonic() - sent, status, code))
+
+        tasks = []
+        for value in range(int(rate_per_s * duration_s)):
+            await asyncio.sleep(max(0.0, started + value / rate_per_s - time.monotonic()))
+            tasks.append(asyncio.create_task(one(value)))
+        await asyncio.gather(*tasks)
+    return answers
+
+
+async def test_redis_frozen_15_s_gives_503_within_2_5_s_and_service_within_1_s_of_sigcont(
+        frozen_stack: tuple[Stack, RedisServer]) -> None:
+    stack, server = frozen_stack
+    stack.start_gateway()
+    stack.start_worker()
+    await stack.wait_ready()
+    assert server.proc is not None
+    started = time.monotonic()
+
+    async def freeze() -> None:
+        await asyncio.sleep(FREEZE_AT_S)
+        server.proc.send_signal(signal.SIGSTOP)  # type: ignore[union-attr]
+        await asyncio.sleep(FROZEN_S)
+        server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
+
+    answers, _ = await asyncio.gather(open_loop(stack.url, RATE_PER_S, LOAD_S, started), freeze())
+    slack = load_slack()
+    thaw_s = FREEZE_AT_S + FROZEN_S
+    frozen = [a for a in answers if FREEZE_AT_S <= a.sent_s < thaw_s]
+    refused = [a for a in frozen if a.status == 503]
+    after = [a for a in answers if a.sent_s >= thaw_s + SERVED_AGAIN_S * slack]
+    first_ok = min((a.sent_s for a in answers if a.sent_s >= thaw_s and a.status == 200), default=None)
+    record_figures(f"16 Redis frozen {FROZEN_S:g} s at {RATE_PER_S}/s: {len(answers)} requests, "
+                   f"{len(refused)} of {len(frozen)} sent while frozen got 503, slowest 503 "
+                   f"{max((a.latency_s for a in refused), default=0):.2f} s, first served "
+                   f"{(first_ok - thaw_s) if first_ok is not None else float('nan'):.2f} s after SIGCONT, "
+                   f"statuses {sorted({(a.status, a.code) for a in answers}, key=str)}, slack {slack:.1f}")
+    statuses = sorted({(a.status, a.code) for a in answers}, key=str)
+    assert not [a for a in answers if a.status not in (200, 503)], statuses
+    assert all(a.code == "unavailable" for a in refused)
+    assert refused and max(a.latency_s for a in refused) < ANSWER_BOUND_S * slack
+    assert after and all(a.status == 200 for a in after), [(round(a.sent_s, 2), a.status)
+                                                           for a in after if a.status != 200]
