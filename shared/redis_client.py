@@ -138,26 +138,35 @@ def connect_blocking(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.redis_url, max_connections=1, health_check_interval=10, **common)
 
 
+async def eviction_problem(redis: aioredis.Redis) -> str | None:
+    """What Redis' maxmemory-policy risks, read now (`CONFIG SET` may change it at run time), or
+    None under `noeviction` or where CONFIG is forbidden (some managed services: logged). Raises
+    RedisError when Redis cannot be asked."""
+    try:
+        reply = cast(dict[Any, Any], await redis.config_get("maxmemory-policy"))
+    except ResponseError as exc:
+        log.debug("cannot read maxmemory-policy; make sure it is noeviction", extra={"error": str(exc)})
+        return None
+    policy = _text(next(iter(reply.values()), SAFE_POLICY))
+    if policy == SAFE_POLICY:
+        return None
+    return (f"Redis maxmemory-policy is {policy!r}: at maxmemory Redis will evict vramguard's queued "
+            f"requests and reply streams; set maxmemory-policy noeviction")
+
+
 async def check_eviction_policy(redis: aioredis.Redis, settings: Settings) -> str | None:
     """Warn (or, with redis_eviction_check=refuse, raise RuntimeError) when Redis may evict keys.
 
     Under any maxmemory-policy but `noeviction`, a Redis at maxmemory deletes keys to make room:
     a queued request, a pending entry or a reply stream vanishes and its client sees a lost
-    request instead of a clear 503 (README "Redis settings"). Returns the problem found, or None.
+    request instead of a clear 503 (docs/reference/failures.md). Returns the problem found, or None.
     A Redis that forbids CONFIG (some managed services) is reported, not refused.
     """
     if settings.redis_eviction_check == "off":
         return None
-    try:
-        reply = cast(dict[Any, Any], await redis.config_get("maxmemory-policy"))
-    except ResponseError as exc:
-        log.warning("cannot read maxmemory-policy; make sure it is noeviction", extra={"error": str(exc)})
+    problem = await eviction_problem(redis)
+    if problem is None:
         return None
-    policy = _text(next(iter(reply.values()), SAFE_POLICY))
-    if policy == SAFE_POLICY:
-        return None
-    problem = (f"Redis maxmemory-policy is {policy!r}: at maxmemory Redis will evict vramguard's queued "
-               f"requests and reply streams; set maxmemory-policy noeviction")
     if settings.redis_eviction_check == "refuse":
         raise RuntimeError(problem)
     log.error(problem)
@@ -183,6 +192,27 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, OutOfMemoryError):
         return True
     return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """True for a write refused by a replica (READONLY): redis-py's ReadOnlyError, or a script's
+    error quoting it (Redis 6 wraps it)."""
+    return isinstance(exc, ReadOnlyError) or (isinstance(exc, ResponseError) and "READONLY" in str(exc))
+
+
+READ_ONLY_MESSAGE = ("Redis refuses writes: it is a read-only replica (replica-read-only), not the primary; "
+                     "point VRAMGUARD_REDIS_URL at the primary (or use VRAMGUARD_REDIS_SENTINELS)")
+OUT_OF_MEMORY_MESSAGE = "Redis is out of memory (maxmemory reached)"
+
+
+def describe_refusal(exc: BaseException) -> str | None:
+    """Why Redis refused a write, in words fit for a client (no host names, no Redis text), for the
+    refusals a client or an operator can act on: out of memory, a read-only replica. None otherwise."""
+    if is_out_of_memory(exc):
+        return OUT_OF_MEMORY_MESSAGE
+    if is_read_only(exc):
+        return READ_ONLY_MESSAGE
+    return None
 
 
 def _text(value: object) -> str:

@@ -39,7 +39,7 @@ from vramguard.shared.protocol import (
     RequestMessage,
     new_request_id,
 )
-from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
+from vramguard.shared.redis_client import RETRY_WINDOW_S, describe_refusal
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, reply_attributes
 
@@ -246,8 +246,7 @@ class Dispatcher:
             self._listener.discard(request_id)
             if timeout_ms / 1000 <= ADMISSION_TIMEOUT_S:
                 raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
-            raise UnavailableError(f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary "
-                                   "is stopped); request not queued, retry later") from exc
+            raise UnavailableError(self._not_answered()) from exc
         except RedisError as exc:
             self._listener.discard(request_id)
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
@@ -311,10 +310,10 @@ class Dispatcher:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
             # The client gets no hostnames or Redis text; the request's log line has them (detail).
-            if is_out_of_memory(exc):
-                # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
-                raise UnavailableError("Redis is out of memory (maxmemory reached); request not queued, retry later",
-                                       detail=str(exc)) from exc
+            refusal = describe_refusal(exc)
+            if refusal is not None:
+                # Nothing was added (Redis refuses the write whole); serving resumes once Redis takes writes.
+                raise UnavailableError(f"{refusal}; request not queued, retry later", detail=str(exc)) from exc
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
@@ -329,8 +328,16 @@ class Dispatcher:
         except TimeoutError:
             if not bound.expired:
                 raise
-            raise UnavailableError(f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary "
-                                   "is stopped); request not queued, retry later") from None
+            raise UnavailableError(self._not_answered()) from None
+
+    def _not_answered(self) -> str:
+        """The 503's message for an admission past ADMISSION_TIMEOUT_S: Redis' refusal when the health
+        refresh saw one (a read-only replica's writes are retried until then), else a stall."""
+        refusal = self._health.view.redis_refusal
+        if refusal is not None:
+            return f"{refusal}; request not queued, retry later"
+        return (f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary is stopped); "
+                "request not queued, retry later")
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
         """Check the bound and XADD in one step (ADMISSION, one call for one round trip's admissions
@@ -341,6 +348,7 @@ class Dispatcher:
         request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/admission/backpressure.py), or RedisError."""
         config = self.config_for(model)
+        self._throughput[model].note_demand()
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
             check = self._reply_check()
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
