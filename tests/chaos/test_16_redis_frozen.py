@@ -16,14 +16,12 @@ import asyncio
 import signal
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.chaos.conftest import CHAOS_SETTINGS
-from tests.chaos.load import record_figures
+from tests.chaos.load import open_loop, record_figures
 from tests.helpers import RedisServer, Stack, load_slack
 
 RATE_PER_S = 20
@@ -31,14 +29,6 @@ FREEZE_AT_S, FROZEN_S, LOAD_S = 3.0, 15.0, 24.0
 TIMEOUT_MS = 30_000
 ANSWER_BOUND_S = 2.5  # a request sent to a frozen Redis: 503 within this
 SERVED_AGAIN_S = 1.0  # after SIGCONT
-
-
-@dataclass
-class Answer:
-    sent_s: float
-    latency_s: float
-    status: int | None
-    code: str | None
 
 
 @pytest.fixture
@@ -56,31 +46,6 @@ def frozen_stack(fast_settings: dict[str, object], tmp_path: Path) -> Iterator[t
         server.stop()
 
 
-async def open_loop(url: str, rate_per_s: float, duration_s: float, started: float) -> list[Answer]:
-    """`rate_per_s` requests a second for `duration_s`, each sent on schedule whatever the others do."""
-    answers: list[Answer] = []
-    async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT_MS / 1000 + 10,
-                                 limits=httpx.Limits(max_connections=1000)) as http:
-
-        async def one(value: int) -> None:
-            sent = time.monotonic()
-            try:
-                response = await http.post("/v1/models/synthetic/infer",
-                                           json={"inputs": [value], "timeout_ms": TIMEOUT_MS})
-                code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
-                status: int | None = response.status_code
-            except httpx.HTTPError as exc:
-                status, code = None, repr(exc)
-            answers.append(Answer(sent - started, time.monotonic() - sent, status, code))
-
-        tasks = []
-        for value in range(int(rate_per_s * duration_s)):
-            await asyncio.sleep(max(0.0, started + value / rate_per_s - time.monotonic()))
-            tasks.append(asyncio.create_task(one(value)))
-        await asyncio.gather(*tasks)
-    return answers
-
-
 async def test_redis_frozen_15_s_gives_503_within_2_5_s_and_service_within_1_s_of_sigcont(
         frozen_stack: tuple[Stack, RedisServer]) -> None:
     stack, server = frozen_stack
@@ -96,7 +61,7 @@ async def test_redis_frozen_15_s_gives_503_within_2_5_s_and_service_within_1_s_o
         await asyncio.sleep(FROZEN_S)
         server.proc.send_signal(signal.SIGCONT)  # type: ignore[union-attr]
 
-    answers, _ = await asyncio.gather(open_loop(stack.url, RATE_PER_S, LOAD_S, started), freeze())
+    answers, _ = await asyncio.gather(open_loop(stack.url, RATE_PER_S, LOAD_S, started, TIMEOUT_MS), freeze())
     slack = load_slack()
     thaw_s = FREEZE_AT_S + FROZEN_S
     frozen = [a for a in answers if FREEZE_AT_S <= a.sent_s < thaw_s]
