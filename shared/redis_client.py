@@ -205,13 +205,20 @@ READ_ONLY_MESSAGE = ("Redis refuses writes: it is a read-only replica (replica-r
 OUT_OF_MEMORY_MESSAGE = "Redis is out of memory (maxmemory reached)"
 
 
+NO_REPLICAS_MESSAGE = ("Redis refuses writes: fewer of its replicas are in sync than its min-replicas-to-write "
+                       "(a primary cut off from its replicas, or one being replaced)")
+
+
 def describe_refusal(exc: BaseException) -> str | None:
     """Why Redis refused a write, in words fit for a client (no host names, no Redis text), for the
-    refusals a client or an operator can act on: out of memory, a read-only replica. None otherwise."""
+    refusals a client or an operator can act on: out of memory, a read-only replica, a primary
+    without its replicas (NOREPLICAS, min-replicas-to-write). None otherwise."""
     if is_out_of_memory(exc):
         return OUT_OF_MEMORY_MESSAGE
     if is_read_only(exc):
         return READ_ONLY_MESSAGE
+    if isinstance(exc, ResponseError) and "NOREPLICAS" in str(exc):
+        return NO_REPLICAS_MESSAGE
     return None
 
 
