@@ -140,23 +140,23 @@ class ScriptBatcher:
 
     def call_grouped(self, script: AsyncScript, keys: list[str], args: list[EncodableT],
                      item_keys: list[str], item_args: list[EncodableT], *,
-                     call_key: Callable[[], str] | None = None) -> asyncio.Future[object]:
+                     call_args: Callable[[], list[EncodableT]] | None = None) -> asyncio.Future[object]:
         """Queue one item of a script that takes many: the calls of one round trip with the same script,
         `keys` and `args` are sent as one call with every item's keys and args appended in call
         order (keys + item_keys..., args + item_args...). The script returns a list, one result per
         item; the future gets this item's (or the call's exception object, or the round trip's
         RedisError, as `call`). The group's place in the order is its first item's; a group holds
         at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts).
-        `call_key`: made once per call and put right after `keys` (keys + [call_key()] +
-        item_keys...): a key of the call's own, such as a record that a re-sent call finds."""
+        `call_args`: made once per call and put right after `args` (args + call_args() +
+        item_args...): args of the call's own, such as the id of a record that a re-sent call finds."""
         loop = asyncio.get_running_loop()
         key = (script.sha, tuple(keys), tuple(args))
         size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
         group = self._groups.get(key)
         if group is None or len(group.items) >= MAX_GROUP_ITEMS or (
                 group.items and group.bytes + size > MAX_GROUP_BYTES):
-            leading = [*keys, call_key()] if call_key is not None else list(keys)
-            group = self._groups[key] = _Group(script, leading, list(args))
+            leading = [*args, *call_args()] if call_args is not None else list(args)
+            group = self._groups[key] = _Group(script, list(keys), leading)
             outcome = self._queue(group)
             outcome.add_done_callback(group.resolve)
         future: asyncio.Future[object] = loop.create_future()

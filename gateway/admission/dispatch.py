@@ -47,17 +47,20 @@ log = logging.getLogger(__name__)
 
 # Admission of every request one round trip carries for one model, in one script call, atomic,
 # on the model's hash slot only, and idempotent per call.
-# KEYS: request stream, queued-requests counter, the call's record (all one slot: shared/keys.py).
+# KEYS: request stream, queued-requests counter, the admission records hash (all one slot: shared/keys.py).
 # ARGV: queue_bound, entry field, record TTL ms, queue_bound_bytes, requests field, requests per
-# entry, then each packed request.
+# entry, the call's id, now (epoch ms, Redis' clock), then each packed request.
 # - The admitted requests share stream entries: up to ARGV[6] in one entry (field ARGV[5], a
 #   msgpack array; worker/packs.py splits it), so a call of 20 requests costs one XADD, not 20.
 #   A lone request keeps an entry of its own (field ARGV[2]).
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
-#   have run: the call's record (its answer, msgpack, kept RETRY_WINDOW_S + 1 s) makes the
-#   re-sent call return the first run's answer instead of enqueueing, and counting, its requests
-#   twice. One record per call, not per request: its GET and SET are paid once for the call's
-#   requests. A call that added nothing leaves no record (running it again adds nothing twice).
+#   have run: the call's record (its answer, msgpack, with the time it expires: RETRY_WINDOW_S +
+#   1 s later) makes the re-sent call return the first run's answer instead of enqueueing, and
+#   counting, its requests twice. One record per call, not per request, as a field of the model's
+#   records hash (KEYS[3], which the field `_` keeps in existence: during a Cluster slot migration a
+#   script naming a missing key gets TRYAGAIN, and a key per call was always missing). Expired
+#   records are dropped by sampling, as Redis expires keys: 8 random fields per admitting call.
+#   A call that added nothing leaves no record (running it again adds nothing twice).
 # - The bound counts requests. XLEN counts entries, so the queued-requests counter does: raised here,
 #   lowered by the worker's MULTI that XACKs and XDELs an answered entry (worker/batch/publish.py). An
 #   entry holds at least one request, so XLEN is a floor for it, and an empty stream means none:
@@ -72,26 +75,27 @@ log = logging.getLogger(__name__)
 # length: the entries' few bytes of overhead are counted at the next call). Returns one
 # {status, value} per request, in ARGV order.
 ADMISSION = """
-local done = redis.call('GET', KEYS[3])
-if done then return cmsgpack.unpack(done) end
-local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
+local call_id, now = ARGV[7], tonumber(ARGV[8])
+local done = redis.call('HGET', KEYS[3], call_id)
+if done then return cmsgpack.unpack(done)[2] end
+local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local pack_field, per_entry = ARGV[5], tonumber(ARGV[6])
 local length = redis.call('XLEN', KEYS[1])
 local depth = tonumber(redis.call('GET', KEYS[2]) or '0')
 if length == 0 then depth = 0 elseif depth < length then depth = length end
 local held = nil
 local out, admitted, slots = {}, {}, {}
-for i = 7, #ARGV do
+for i = 9, #ARGV do
   local packed = ARGV[i]
   if depth >= bound then
-    out[i - 6] = {0, depth}
+    out[i - 8] = {0, depth}
   else
     if held == nil then held = redis.call('MEMORY', 'USAGE', KEYS[1]) or 0 end
     if held + string.len(packed) > bound_bytes then
-      out[i - 6] = {2, held}
+      out[i - 8] = {2, held}
     else
       admitted[#admitted + 1] = packed
-      slots[#slots + 1] = i - 6
+      slots[#slots + 1] = i - 8
       depth = depth + 1
       held = held + string.len(packed)
     end
@@ -111,7 +115,11 @@ while first <= #admitted do
   first = last + 1
 end
 redis.call('SET', KEYS[2], depth)
-redis.call('SET', KEYS[3], cmsgpack.pack(out), 'PX', ttl)
+local sample = redis.call('HRANDFIELD', KEYS[3], 8, 'WITHVALUES')
+for i = 1, #sample, 2 do
+  if sample[i] ~= '_' and cmsgpack.unpack(sample[i + 1])[1] <= now then redis.call('HDEL', KEYS[3], sample[i]) end
+end
+redis.call('HSET', KEYS[3], '_', '', call_id, cmsgpack.pack({now + ttl, out}))
 return out
 """
 
@@ -353,10 +361,11 @@ class Dispatcher:
             check = self._reply_check()
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
             admitted = await self._scripts.call_grouped(
-                self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model)],
+                self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model),
+                                  self._keys.admissions(model)],
                 [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes, REQUESTS_FIELD,
                  self._requests_per_entry(model)],
-                [], [message.encode()], call_key=lambda: self._keys.admission(model, secrets.token_hex(16)))
+                [], [message.encode()], call_args=lambda: [secrets.token_hex(16), now_ms()])
             # A check queued with this admission was answered in the same round trip, ahead of it
             # (run_scripts keeps the calls' order, and an item's answer is set one callback after its call's).
             checked = None if check is None else check.result() if check.done() else await asyncio.shield(check)
