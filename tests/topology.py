@@ -194,13 +194,14 @@ class ClusterTopology(_Processes):
 
     def migrate_slot(self, slot: int, target: int, pause_s: float = 0.0) -> int:
         """Move `slot` to the primary on port `target` as redis-cli --cluster reshard does: IMPORTING
-        on the target, MIGRATING on the source, MIGRATE of its keys 20 at a time (`pause_s` between
-        batches: a migration that takes a while, as a large one does), then SETSLOT NODE on every
-        node. Returns how many keys moved."""
+        on the target, MIGRATING on the source, MIGRATE of its keys 20 at a time (`pause_s` before
+        the first and after each batch: a migration that takes a while, as a large one does), then
+        SETSLOT NODE on every node. Returns how many keys moved."""
         source = self.port_of_slot(slot)
         src, dst = redis.Redis(port=source), redis.Redis(port=target)
         dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
         src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target))
+        time.sleep(pause_s)
         moved = 0
         while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 20):
             src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, ResponseError
 from redis.typing import EncodableT
 
 from vramguard.shared.redis_client import RETRIES
@@ -69,7 +70,9 @@ async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[ob
     failover test lost requests with pipelines: single commands are what redis-py's retries
     cover), each call is its own command, all sent at once: one round trip of latency, not of
     syscalls."""
-    if isinstance(redis, RedisCluster) or isinstance(redis.connection_pool, SentinelConnectionPool):
+    if isinstance(redis, RedisCluster):
+        return list(await asyncio.gather(*(_redirected(c) for c in calls), return_exceptions=True))
+    if isinstance(redis.connection_pool, SentinelConnectionPool):
         return list(await asyncio.gather(*(c.script(keys=c.keys, args=c.args) for c in calls),
                                          return_exceptions=True))
     results: list[object] = [None] * len(calls)
@@ -92,6 +95,24 @@ async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[ob
             await redis.connection_pool.disconnect()
             await asyncio.sleep(backoff.compute(attempt + 1))
     return results
+
+
+# A script call under Cluster whose redirects ran out ("TTL exhausted", a ClusterError) is sent again
+# after a jittered backoff. While a slot migrates, redis-py's async cluster client (8.2) sends the
+# ASKING of an ASK redirect and the command it allows as two pooled commands: under load another
+# command takes the connection with the ASKING, the target answers MOVED back to the source, which
+# answers ASK again, 16 times in a few ms. Until the migration ends (SETSLOT NODE) every try may end
+# so; a try after it goes straight to the new owner. Every script sent here may run twice (the
+# admission's record answers a re-sent call).
+CLUSTER_REDIRECT_RETRY = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=RETRIES,
+                               supported_errors=(ClusterError,))
+
+
+async def _redirected(call: ScriptCall) -> object:
+    async def fail(error: Exception) -> None:
+        return None
+
+    return await CLUSTER_REDIRECT_RETRY.call_with_retry(lambda: call.script(keys=call.keys, args=call.args), fail)
 
 
 def _read_only(result: object) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, ClusterError
 
 from vramguard.gateway.admission.expected import ReturnWatch
 from vramguard.shared.clock import now_ms
@@ -104,6 +105,13 @@ class Health:
                 if self.live_workers(model):
                     self.returns.saw(model, now)
         except Exception as exc:  # any error (a reply of an unexpected shape too): Redis cannot be trusted now
+            if isinstance(exc, ClusterError) and not isinstance(exc, ClusterDownError):
+                # redis-py ran out of redirects: a slot of the model is migrating between two healthy
+                # primaries (coalesce.py's CLUSTER_REDIRECT_RETRY says why it loops). The last view
+                # stands until the next refresh, instead of 503 for every request of this interval.
+                log.info("Redis Cluster redirects ran out (a slot migrating); keeping the last view",
+                         extra={"error": repr(exc)})
+                return
             error = str(exc) or type(exc).__name__
             if self.view.redis_ok or self.view.redis_error != error:  # once per change, not once per beat
                 log.warning("Redis check failed; not ready", extra={"error": repr(exc)})

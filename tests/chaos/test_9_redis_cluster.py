@@ -130,17 +130,16 @@ MIGRATION_RATE_PER_S = 100
 MIGRATE_AT_S, MIGRATION_LOAD_S = 3.0, 10.0
 
 
-@pytest.mark.xfail(strict=False, reason="in some runs a burst of 'TTL exhausted' (redis-py's redirect limit: the "
-                   "source answers ASK, the target MOVED back, 16 times) around the migration's end: up to 2 % "
-                   "of all requests; not yet understood (docs/reference/failures.md)")
 async def test_a_slot_migration_under_load_costs_at_most_1_percent(cluster, cluster_stack) -> None:
     """1. A gateway and a synthetic worker on the cluster; 100 requests a second, each sent on
        schedule (an open loop), for 10 s.
     2. At 3 s the slot of the model's hash tag moves to another primary as `redis-cli --cluster
        reshard` moves it (CLUSTER SETSLOT IMPORTING/MIGRATING, MIGRATE of its keys 20 at a time,
-       SETSLOT NODE), its keys moved over about a second.
+       SETSLOT NODE), half a second in each state: keys still on the source, then on the target.
     Result: at most 1 % of the requests sent while the slot migrates get an answer other than 200,
-    and none is lost (each answered with its own output)."""
+    and none is lost (each answered). It was 97 % (53 of 103 here): the admission named a record key of its own per
+    call, always missing, and Redis refuses a script naming a missing key while its slot migrates
+    (TRYAGAIN); then redis-py's redirect loop (ASK, MOVED back) failed the health refresh."""
     cluster_stack.settings.update({"served_models": "synthetic", "model": "synthetic"})
     cluster_stack.start_gateway()
     cluster_stack.start_worker(model="synthetic")
@@ -153,7 +152,7 @@ async def test_a_slot_migration_under_load_costs_at_most_1_percent(cluster, clus
     async def migrate() -> None:
         await asyncio.sleep(MIGRATE_AT_S)
         window.append(time.monotonic() - started)
-        moved = await asyncio.to_thread(cluster.migrate_slot, slot, target, 0.1)
+        moved = await asyncio.to_thread(cluster.migrate_slot, slot, target, 0.5)
         window.extend([time.monotonic() - started, moved])
 
     answers, _ = await asyncio.gather(open_loop(cluster_stack.url, MIGRATION_RATE_PER_S, MIGRATION_LOAD_S,
