@@ -53,16 +53,15 @@ class Keys:
     def heartbeat(self, worker_id: str) -> str:
         return f"{self.prefix}:hb:{{{worker_id}}}"
 
-    def liveness_probe(self, worker_id: str) -> str:
-        return f"{self.prefix}:alive:{{{worker_id}}}"
-
     def worker_index(self, model: str) -> str:
         return f"{self.prefix}:workers:{{{model}}}"
 
-    def admission(self, model: str, call_id: str) -> str:
-        """The record of one admission call (gateway/admission/dispatch.py ADMISSION): its answer, kept for
-        a re-sent call to find; on the model's slot, as the call's request stream."""
-        return f"{self.prefix}:adm:{{{model}}}:{call_id}"
+    def admissions(self, model: str) -> str:
+        """The records of the model's recent admission calls (gateway/admission/dispatch.py ADMISSION), a
+        hash of call id -> answer, kept for a re-sent call to find; on the model's slot, as the calls'
+        request stream. One key that always exists, not one per call: during a Redis Cluster slot
+        migration a script naming a key that does not exist is refused (TRYAGAIN)."""
+        return f"{self.prefix}:adm:{{{model}}}"
 
     def claim_record(self, model: str, worker_id: str) -> str:
         return f"{self.prefix}:claim:{{{model}}}:{worker_id}"

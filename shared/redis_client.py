@@ -5,10 +5,13 @@ Two kinds of client: a pooled one for short commands, and a dedicated one per bl
 (XREAD/XREADGROUP with BLOCK) whose socket timeout exceeds the block time, so a blocked read
 never shares, or poisons, a pooled connection (redis-py asyncio guidance).
 
-Failover (docs/guides/redis.md): a connection error, a timeout and
-READONLY (a primary demoted to a replica answers writes so) all drop the connection and retry
-on a fresh one; under Sentinel the fresh one asks the sentinels for the current primary, under
-Cluster redis-py follows MOVED and refreshes the slot map. No other module builds a client.
+Failover (docs/reference/failures.md): a connection error and READONLY (a primary demoted to a
+replica answers writes so) drop the connection and retry on a fresh one; under Sentinel the fresh
+one asks the sentinels for the current primary, under Cluster redis-py follows MOVED and refreshes
+the slot map. A timeout is not retried: a Redis that does not answer within COMMAND_TIMEOUT_S is
+frozen (SIGSTOP, a VM pause, a swap storm) or a stopped primary, and sending the command again to
+it only multiplies the wait; the error reaches the caller (a 503) and the connection is dropped, so
+the next command connects afresh. No other module builds a client.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vramguard.shared.settings import Settings
 
@@ -35,9 +37,13 @@ log = logging.getLogger(__name__)
 # Short commands: give up fast so that a request never hangs on a dead Redis.
 COMMAND_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 1.0
+# A blocking read's reply comes by BLOCK; past it by this much (a loaded host's loop lag), Redis is not answering.
+BLOCKING_SLACK_S = 1.5
 POOL_MAX_CONNECTIONS = 64  # per process (per node under Cluster); more concurrent commands wait
 # Retries span a Sentinel failover's promotion gap (down-after-milliseconds + election): the
 # jittered backoff caps at 0.5 s, so 6 tries wait up to ~2 s before the error reaches the client.
+# Only connection errors and READONLY are retried (refused at once: the backoff is the wait), never
+# a timeout (one COMMAND_TIMEOUT_S, then the error).
 RETRIES = 6
 BACKOFF_CAP_S = 0.5
 # The longest a command can still be re-sent after it first reached Redis: every attempt may
@@ -55,14 +61,16 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionP
 
 def _retry(retries: int = RETRIES) -> Retry:
     # A re-sent command may already have run (its reply was lost): every command sent through
-    # these clients is idempotent or carries its own record of a first run.
-    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=retries)
+    # these clients is idempotent or carries its own record of a first run. redis-py's default
+    # retries TimeoutError too: left out here (the module docstring says why).
+    return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=retries,
+                 supported_errors=(RedisConnectionError,))
 
 
 def _retry_on() -> list[type[RedisError]]:
     # READONLY: we are talking to a demoted primary; the retry reconnects (and, under Sentinel,
     # rediscovers the primary) instead of failing every write until the process restarts.
-    return [RedisConnectionError, RedisTimeoutError, ReadOnlyError]
+    return [RedisConnectionError, ReadOnlyError]
 
 
 def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
@@ -113,10 +121,12 @@ def connect(settings: Settings, *, retries: int = RETRIES) -> aioredis.Redis:
 
 
 def connect_blocking(settings: Settings) -> aioredis.Redis:
-    """A client with one connection for one blocking reader; its socket timeout is BLOCK + 5 s.
-    Its errors reach the reader's own retry loop (which backs off and reads again)."""
+    """A client with one connection for one blocking reader; its socket timeout is BLOCK +
+    BLOCKING_SLACK_S: a reader on a frozen Redis or a stopped primary gives up that soon, and its
+    next read connects afresh (under Sentinel, to the primary the sentinels name now). Its errors
+    reach the reader's own retry loop (which backs off and reads again)."""
     common: dict[str, Any] = {
-        "socket_timeout": settings.block_ms / 1000 + 5.0, "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": settings.block_ms / 1000 + BLOCKING_SLACK_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "retry": _retry(2), "retry_on_error": _retry_on(), **_parser(settings),
     }
     if settings.redis_cluster:
@@ -128,26 +138,35 @@ def connect_blocking(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.redis_url, max_connections=1, health_check_interval=10, **common)
 
 
+async def eviction_problem(redis: aioredis.Redis) -> str | None:
+    """What Redis' maxmemory-policy risks, read now (`CONFIG SET` may change it at run time), or
+    None under `noeviction` or where CONFIG is forbidden (some managed services: logged). Raises
+    RedisError when Redis cannot be asked."""
+    try:
+        reply = cast(dict[Any, Any], await redis.config_get("maxmemory-policy"))
+    except ResponseError as exc:
+        log.debug("cannot read maxmemory-policy; make sure it is noeviction", extra={"error": str(exc)})
+        return None
+    policy = _text(next(iter(reply.values()), SAFE_POLICY))
+    if policy == SAFE_POLICY:
+        return None
+    return (f"Redis maxmemory-policy is {policy!r}: at maxmemory Redis will evict vramguard's queued "
+            f"requests and reply streams; set maxmemory-policy noeviction")
+
+
 async def check_eviction_policy(redis: aioredis.Redis, settings: Settings) -> str | None:
     """Warn (or, with redis_eviction_check=refuse, raise RuntimeError) when Redis may evict keys.
 
     Under any maxmemory-policy but `noeviction`, a Redis at maxmemory deletes keys to make room:
     a queued request, a pending entry or a reply stream vanishes and its client sees a lost
-    request instead of a clear 503 (docs/guides/redis.md). Returns the problem found, or None.
+    request instead of a clear 503 (docs/reference/failures.md). Returns the problem found, or None.
     A Redis that forbids CONFIG (some managed services) is reported, not refused.
     """
     if settings.redis_eviction_check == "off":
         return None
-    try:
-        reply = cast(dict[Any, Any], await redis.config_get("maxmemory-policy"))
-    except ResponseError as exc:
-        log.warning("cannot read maxmemory-policy; make sure it is noeviction", extra={"error": str(exc)})
+    problem = await eviction_problem(redis)
+    if problem is None:
         return None
-    policy = _text(next(iter(reply.values()), SAFE_POLICY))
-    if policy == SAFE_POLICY:
-        return None
-    problem = (f"Redis maxmemory-policy is {policy!r}: at maxmemory Redis will evict vramguard's queued "
-               f"requests and reply streams; set maxmemory-policy noeviction")
     if settings.redis_eviction_check == "refuse":
         raise RuntimeError(problem)
     log.error(problem)
@@ -173,6 +192,34 @@ def is_out_of_memory(exc: BaseException) -> bool:
     if isinstance(exc, OutOfMemoryError):
         return True
     return isinstance(exc, ResponseError) and "OOM command not allowed" in str(exc)
+
+
+def is_read_only(exc: BaseException) -> bool:
+    """True for a write refused by a replica (READONLY): redis-py's ReadOnlyError, or a script's
+    error quoting it (Redis 6 wraps it)."""
+    return isinstance(exc, ReadOnlyError) or (isinstance(exc, ResponseError) and "READONLY" in str(exc))
+
+
+READ_ONLY_MESSAGE = ("Redis refuses writes: it is a read-only replica (replica-read-only), not the primary; "
+                     "point VRAMGUARD_REDIS_URL at the primary (or use VRAMGUARD_REDIS_SENTINELS)")
+OUT_OF_MEMORY_MESSAGE = "Redis is out of memory (maxmemory reached)"
+
+
+NO_REPLICAS_MESSAGE = ("Redis refuses writes: fewer of its replicas are in sync than its min-replicas-to-write "
+                       "(a primary cut off from its replicas, or one being replaced)")
+
+
+def describe_refusal(exc: BaseException) -> str | None:
+    """Why Redis refused a write, in words fit for a client (no host names, no Redis text), for the
+    refusals a client or an operator can act on: out of memory, a read-only replica, a primary
+    without its replicas (NOREPLICAS, min-replicas-to-write). None otherwise."""
+    if is_out_of_memory(exc):
+        return OUT_OF_MEMORY_MESSAGE
+    if is_read_only(exc):
+        return READ_ONLY_MESSAGE
+    if isinstance(exc, ResponseError) and "NOREPLICAS" in str(exc):
+        return NO_REPLICAS_MESSAGE
+    return None
 
 
 def _text(value: object) -> str:

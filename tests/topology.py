@@ -1,10 +1,12 @@
-"""Real Redis topologies for the failover and sharding tests: a Sentinel-managed primary with a
-replica and three sentinels, and a 3-primary Redis Cluster, all `redis-server` processes on
-free loopback ports in a temp dir, tuned to fail over in about a second. Always `stop()` them."""
+"""Real Redis topologies for the failover and sharding tests: a Sentinel-managed primary with two
+replicas and three sentinels (the nodes started from the shipped deploy/redis/sentinel/redis.conf),
+and a 3-primary Redis Cluster, all `redis-server` processes on free loopback ports in a temp dir,
+tuned to fail over in about a second. Always `stop()` them."""
 
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,6 +19,7 @@ import redis
 from vramguard.shared.redis_client import find_redis_server
 
 MASTER_NAME = "vramguard"
+SHIPPED_SENTINEL_NODE_CONF = Path(__file__).resolve().parent.parent / "deploy" / "redis" / "sentinel" / "redis.conf"
 CLUSTER_SLOTS = 16384
 
 
@@ -86,12 +89,19 @@ def _server_args(port: int) -> list[str]:
 
 
 class SentinelTopology(_Processes):
-    """A primary, one replica and three sentinels watching them as MASTER_NAME (quorum 2)."""
+    """A primary, two replicas and three sentinels watching them as MASTER_NAME (quorum 2). Each
+    node runs the shipped redis.conf, with its port, no persistence and `min_replicas_to_write`
+    given on the command line. 0 by default, not the shipped 1: after a `SENTINEL FAILOVER` here
+    the promoted primary refused writes (NOREPLICAS) for over 12 s, until its replicas had synced
+    again (2,531 of 3,810 requests got 503), which would hide what the failover tests measure."""
 
-    def __init__(self, down_after_ms: int = 1000, failover_timeout_ms: int = 4000) -> None:
+    def __init__(self, down_after_ms: int = 1000, failover_timeout_ms: int = 4000,
+                 min_replicas_to_write: int = 0) -> None:
         super().__init__()
+        self.min_replicas_to_write = min_replicas_to_write
         self.primary = free_port_pair()
         self.replica = free_port_pair()
+        self.second_replica = free_port_pair()
         self.sentinels = [free_port_pair() for _ in range(3)]
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
@@ -101,8 +111,11 @@ class SentinelTopology(_Processes):
         return ",".join(f"127.0.0.1:{port}" for port in self.sentinels)
 
     def start(self) -> None:
-        self.spawn(self.primary, *_server_args(self.primary))
-        self.spawn(self.replica, *_server_args(self.replica), "--replicaof", "127.0.0.1", str(self.primary))
+        limit = ("--min-replicas-to-write", str(self.min_replicas_to_write))
+        self.spawn(self.primary, self._node_conf(self.primary), *_server_args(self.primary), *limit)
+        for replica in (self.replica, self.second_replica):
+            self.spawn(replica, self._node_conf(replica), *_server_args(replica), *limit,
+                       "--replicaof", "127.0.0.1", str(self.primary))
         for port in self.sentinels:
             conf = self.dir / f"sentinel-{port}.conf"  # sentinels rewrite their config: one file each
             conf.write_text(
@@ -115,12 +128,19 @@ class SentinelTopology(_Processes):
             self.spawn(port, str(conf), "--sentinel")
         wait_for(self._settled, 30, "sentinels that know the replica and each other")
 
+    def _node_conf(self, port: int) -> str:
+        """A copy of the shipped node config for one node: the sentinels have each node they
+        reconfigure rewrite its config file (CONFIG REWRITE), which must not be the shipped one."""
+        conf = self.dir / f"redis-{port}.conf"
+        shutil.copyfile(SHIPPED_SENTINEL_NODE_CONF, conf)
+        return str(conf)
+
     def _settled(self) -> bool:
         for port in self.sentinels:
             info = redis.Redis(port=port, socket_timeout=0.5).sentinel_master(MASTER_NAME)
-            if int(info["num-other-sentinels"]) < 2 or int(info["num-slaves"]) < 1:
+            if int(info["num-other-sentinels"]) < 2 or int(info["num-slaves"]) < 2:
                 return False
-        return bool(redis.Redis(port=self.primary).info("replication")["connected_slaves"] >= 1)
+        return bool(redis.Redis(port=self.primary).info("replication")["connected_slaves"] >= 2)
 
     def current_primary(self) -> int:
         """The port the sentinels report for MASTER_NAME now."""
@@ -136,6 +156,7 @@ class ClusterTopology(_Processes):
         super().__init__()
         self.ports = [free_port_pair() for _ in range(3)]
         self.splits = splits
+        self.owners: dict[int, int] = {}  # slots moved by migrate_slot: slot -> port
 
     @property
     def url(self) -> str:
@@ -162,5 +183,31 @@ class ClusterTopology(_Processes):
         return True
 
     def port_of_slot(self, slot: int) -> int:
+        if slot in self.owners:
+            return self.owners[slot]
         bounds = [0, *self.splits, CLUSTER_SLOTS]
         return next(self.ports[i] for i in range(3) if bounds[i] <= slot < bounds[i + 1])
+
+    def node_id(self, port: int) -> str:
+        reply = redis.Redis(port=port).execute_command("CLUSTER", "MYID")
+        return reply.decode() if isinstance(reply, bytes) else str(reply)
+
+    def migrate_slot(self, slot: int, target: int, pause_s: float = 0.0) -> int:
+        """Move `slot` to the primary on port `target` as redis-cli --cluster reshard does: IMPORTING
+        on the target, MIGRATING on the source, MIGRATE of its keys 20 at a time (`pause_s` before
+        the first and after each batch: a migration that takes a while, as a large one does), then
+        SETSLOT NODE on every node. Returns how many keys moved."""
+        source = self.port_of_slot(slot)
+        src, dst = redis.Redis(port=source), redis.Redis(port=target)
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", self.node_id(source))
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", self.node_id(target))
+        time.sleep(pause_s)
+        moved = 0
+        while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 20):
+            src.execute_command("MIGRATE", "127.0.0.1", target, "", 0, 5000, "KEYS", *keys)
+            moved += len(keys)
+            time.sleep(pause_s)
+        for port in (target, source, *(p for p in self.ports if p not in (source, target))):
+            redis.Redis(port=port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", self.node_id(target))
+        self.owners[slot] = target
+        return moved

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # The asyncio task names of the long-lived tasks (shared/periodic.py and shared/clocksync.py name
 # their tasks): looked up by name, so a task is watched whichever class runs it.
-LONG_LIVED = ("heartbeat", "reclaim", "clock-sync", "hang-guard")
+LONG_LIVED = ("heartbeat", "alive-file", "reclaim", "clock-sync", "hang-guard")
 
 
 # Consecutive failures of the batch loop's Redis calls that were not RedisErrors (a reply of a

@@ -2,7 +2,10 @@
 
 `ThroughputMeter` counts the replies this gateway received for a model over a sliding window;
 `retry_after_s` turns the queue depth and that rate into a Retry-After in whole seconds: the
-time the workers need to serve what is queued now. The rate is this gateway's view; with several
+time the workers need to serve what is queued now, so it grows with the backlog, and with a
+stalled worker (its replies age out of the window and the rate falls: no reply over a span is a
+rate under one per span), and clients refused at different depths come back at different times
+instead of in lock-step. The rate is this gateway's view; with several
 gateways behind a load balancer each sees its share of replies and of the refused clients, so the
 estimate stays of the right order. Never touches Redis.
 """
@@ -27,6 +30,10 @@ class ThroughputMeter:
         self._window_s = window_s
         self._clock = clock
         self._times: deque[float] = deque()
+        # The start of the current busy spell: the first demand after a window without replies or
+        # demand. Before it the gateway was idle, and no reply then says nothing about the workers.
+        self._busy_since = clock()
+        self._last_demand = -float("inf")
 
     def record(self, n: int = 1) -> None:
         """Count `n` replies received now."""
@@ -34,15 +41,24 @@ class ThroughputMeter:
         self._times.extend([now] * n)
         self._expire(now)
 
+    def note_demand(self) -> None:
+        """A request asks to be queued now (admitted or refused)."""
+        now = self._clock()
+        if now - self._last_demand > self._window_s and not (self._times and self._times[-1] >= now - self._window_s):
+            self._busy_since = now
+        self._last_demand = now
+
     def rate_per_s(self) -> float | None:
-        """Replies per second from the oldest reply in the window until now; None while that
-        span is under MIN_SPAN_S (a first batch of replies says little about the rate) or the
-        window holds no reply (an idle gateway and stuck workers look alike from here)."""
+        """Replies per second over the span watched: the window, or the busy spell when that is
+        shorter; None while that span is under MIN_SPAN_S (too short to tell). No reply in
+        the span is a rate under one per span, and counts as that bound: a stalled worker's rate
+        keeps falling as its replies age out, until one per window."""
         now = self._clock()
         self._expire(now)
-        if not self._times or now - self._times[0] < MIN_SPAN_S:
+        span_s = min(self._window_s, now - self._busy_since)
+        if span_s < MIN_SPAN_S:
             return None
-        return len(self._times) / (now - self._times[0])
+        return max(len(self._times), 1) / span_s
 
     def _expire(self, now: float) -> None:
         while self._times and self._times[0] < now - self._window_s:
@@ -50,9 +66,9 @@ class ThroughputMeter:
 
 
 def retry_after_s(depth: int, rate_per_s: float | None) -> int:
-    """Seconds until the `depth` entries queued or in flight are served at `rate_per_s`, rounded
-    up and clamped to [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]; the minimum while the rate is
-    unknown (None)."""
+    """Seconds until the `depth` requests queued or in flight are served at `rate_per_s`
+    (ThroughputMeter), rounded up and clamped to [MIN_RETRY_AFTER_S, MAX_RETRY_AFTER_S]; the
+    minimum while the rate is unknown (None: a gateway started under a second ago)."""
     if not rate_per_s:
         return MIN_RETRY_AFTER_S
     return max(MIN_RETRY_AFTER_S, min(MAX_RETRY_AFTER_S, math.ceil(depth / rate_per_s)))

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.commands.core import AsyncScript
-from redis.exceptions import NoScriptError, ReadOnlyError, ResponseError
+from redis.exceptions import ClusterError, NoScriptError, ReadOnlyError, ResponseError
 from redis.typing import EncodableT
 
 from vramguard.shared.redis_client import RETRIES
@@ -69,7 +70,9 @@ async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[ob
     failover test lost requests with pipelines: single commands are what redis-py's retries
     cover), each call is its own command, all sent at once: one round trip of latency, not of
     syscalls."""
-    if isinstance(redis, RedisCluster) or isinstance(redis.connection_pool, SentinelConnectionPool):
+    if isinstance(redis, RedisCluster):
+        return list(await asyncio.gather(*(_redirected(c) for c in calls), return_exceptions=True))
+    if isinstance(redis.connection_pool, SentinelConnectionPool):
         return list(await asyncio.gather(*(c.script(keys=c.keys, args=c.args) for c in calls),
                                          return_exceptions=True))
     results: list[object] = [None] * len(calls)
@@ -92,6 +95,24 @@ async def run_scripts(redis: aioredis.Redis, calls: list[ScriptCall]) -> list[ob
             await redis.connection_pool.disconnect()
             await asyncio.sleep(backoff.compute(attempt + 1))
     return results
+
+
+# A script call under Cluster whose redirects ran out ("TTL exhausted", a ClusterError) is sent again
+# after a jittered backoff. While a slot migrates, redis-py's async cluster client (8.2) sends the
+# ASKING of an ASK redirect and the command it allows as two pooled commands: under load another
+# command takes the connection with the ASKING, the target answers MOVED back to the source, which
+# answers ASK again, 16 times in a few ms. Until the migration ends (SETSLOT NODE) every try may end
+# so; a try after it goes straight to the new owner. Every script sent here may run twice (the
+# admission's record answers a re-sent call).
+CLUSTER_REDIRECT_RETRY = Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=RETRIES,
+                               supported_errors=(ClusterError,))
+
+
+async def _redirected(call: ScriptCall) -> object:
+    async def fail(error: Exception) -> None:
+        return None
+
+    return await CLUSTER_REDIRECT_RETRY.call_with_retry(lambda: call.script(keys=call.keys, args=call.args), fail)
 
 
 def _read_only(result: object) -> bool:
@@ -140,23 +161,23 @@ class ScriptBatcher:
 
     def call_grouped(self, script: AsyncScript, keys: list[str], args: list[EncodableT],
                      item_keys: list[str], item_args: list[EncodableT], *,
-                     call_key: Callable[[], str] | None = None) -> asyncio.Future[object]:
+                     call_args: Callable[[], list[EncodableT]] | None = None) -> asyncio.Future[object]:
         """Queue one item of a script that takes many: the calls of one round trip with the same script,
         `keys` and `args` are sent as one call with every item's keys and args appended in call
         order (keys + item_keys..., args + item_args...). The script returns a list, one result per
         item; the future gets this item's (or the call's exception object, or the round trip's
         RedisError, as `call`). The group's place in the order is its first item's; a group holds
         at most MAX_GROUP_ITEMS items and MAX_GROUP_BYTES of item args (then the next one starts).
-        `call_key`: made once per call and put right after `keys` (keys + [call_key()] +
-        item_keys...): a key of the call's own, such as a record that a re-sent call finds."""
+        `call_args`: made once per call and put right after `args` (args + call_args() +
+        item_args...): args of the call's own, such as the id of a record that a re-sent call finds."""
         loop = asyncio.get_running_loop()
         key = (script.sha, tuple(keys), tuple(args))
         size = sum(len(a) for a in item_args if isinstance(a, (bytes, str)))
         group = self._groups.get(key)
         if group is None or len(group.items) >= MAX_GROUP_ITEMS or (
                 group.items and group.bytes + size > MAX_GROUP_BYTES):
-            leading = [*keys, call_key()] if call_key is not None else list(keys)
-            group = self._groups[key] = _Group(script, leading, list(args))
+            leading = [*args, *call_args()] if call_args is not None else list(args)
+            group = self._groups[key] = _Group(script, list(keys), leading)
             outcome = self._queue(group)
             outcome.add_done_callback(group.resolve)
         future: asyncio.Future[object] = loop.create_future()

@@ -39,7 +39,7 @@ from vramguard.shared.protocol import (
     RequestMessage,
     new_request_id,
 )
-from vramguard.shared.redis_client import RETRY_WINDOW_S, is_out_of_memory
+from vramguard.shared.redis_client import RETRY_WINDOW_S, describe_refusal
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import ATTR_QUEUE_BOUND, carrier, child_span, reply_attributes
 
@@ -47,17 +47,20 @@ log = logging.getLogger(__name__)
 
 # Admission of every request one round trip carries for one model, in one script call, atomic,
 # on the model's hash slot only, and idempotent per call.
-# KEYS: request stream, queued-requests counter, the call's record (all one slot: shared/keys.py).
+# KEYS: request stream, queued-requests counter, the admission records hash (all one slot: shared/keys.py).
 # ARGV: queue_bound, entry field, record TTL ms, queue_bound_bytes, requests field, requests per
-# entry, then each packed request.
+# entry, the call's id, now (epoch ms, Redis' clock), then each packed request.
 # - The admitted requests share stream entries: up to ARGV[6] in one entry (field ARGV[5], a
 #   msgpack array; worker/batch/entries.py splits it), so a call of 20 requests costs one XADD, not 20.
 #   A lone request keeps an entry of its own (field ARGV[2]).
 # - redis-py re-sends a command whose reply was lost (timeout, cut connection) although it may
-#   have run: the call's record (its answer, msgpack, kept RETRY_WINDOW_S + 1 s) makes the
-#   re-sent call return the first run's answer instead of enqueueing, and counting, its requests
-#   twice. One record per call, not per request: its GET and SET are paid once for the call's
-#   requests. A call that added nothing leaves no record (running it again adds nothing twice).
+#   have run: the call's record (its answer, msgpack, with the time it expires: RETRY_WINDOW_S +
+#   1 s later) makes the re-sent call return the first run's answer instead of enqueueing, and
+#   counting, its requests twice. One record per call, not per request, as a field of the model's
+#   records hash (KEYS[3], which the field `_` keeps in existence: during a Cluster slot migration a
+#   script naming a missing key gets TRYAGAIN, and a key per call was always missing). Expired
+#   records are dropped by sampling, as Redis expires keys: 8 random fields per admitting call.
+#   A call that added nothing leaves no record (running it again adds nothing twice).
 # - The bound counts requests. XLEN counts entries, so the queued-requests counter does: raised here,
 #   lowered by the worker's MULTI that XACKs and XDELs an answered entry (worker/batch/publish.py). An
 #   entry holds at least one request, so XLEN is a floor for it, and an empty stream means none:
@@ -72,26 +75,27 @@ log = logging.getLogger(__name__)
 # length: the entries' few bytes of overhead are counted at the next call). Returns one
 # {status, value} per request, in ARGV order.
 ADMISSION = """
-local done = redis.call('GET', KEYS[3])
-if done then return cmsgpack.unpack(done) end
-local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], ARGV[3], tonumber(ARGV[4])
+local call_id, now = ARGV[7], tonumber(ARGV[8])
+local done = redis.call('HGET', KEYS[3], call_id)
+if done then return cmsgpack.unpack(done)[2] end
+local bound, field, ttl, bound_bytes = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
 local pack_field, per_entry = ARGV[5], tonumber(ARGV[6])
 local length = redis.call('XLEN', KEYS[1])
 local depth = tonumber(redis.call('GET', KEYS[2]) or '0')
 if length == 0 then depth = 0 elseif depth < length then depth = length end
 local held = nil
 local out, admitted, slots = {}, {}, {}
-for i = 7, #ARGV do
+for i = 9, #ARGV do
   local packed = ARGV[i]
   if depth >= bound then
-    out[i - 6] = {0, depth}
+    out[i - 8] = {0, depth}
   else
     if held == nil then held = redis.call('MEMORY', 'USAGE', KEYS[1]) or 0 end
     if held + string.len(packed) > bound_bytes then
-      out[i - 6] = {2, held}
+      out[i - 8] = {2, held}
     else
       admitted[#admitted + 1] = packed
-      slots[#slots + 1] = i - 6
+      slots[#slots + 1] = i - 8
       depth = depth + 1
       held = held + string.len(packed)
     end
@@ -111,7 +115,11 @@ while first <= #admitted do
   first = last + 1
 end
 redis.call('SET', KEYS[2], depth)
-redis.call('SET', KEYS[3], cmsgpack.pack(out), 'PX', ttl)
+local sample = redis.call('HRANDFIELD', KEYS[3], 8, 'WITHVALUES')
+for i = 1, #sample, 2 do
+  if sample[i] ~= '_' and cmsgpack.unpack(sample[i + 1])[1] <= now then redis.call('HDEL', KEYS[3], sample[i]) end
+end
+redis.call('HSET', KEYS[3], '_', '', call_id, cmsgpack.pack({now + ttl, out}))
 return out
 """
 
@@ -132,6 +140,11 @@ ADMISSION_RECORD_TTL_MS = int(RETRY_WINDOW_S * 1000) + 1000
 # NOMKSTREAM) are failed as lost by the next check or the reply stream's keepalive, with those
 # enqueued before it.
 REPLY_CHECK_INTERVAL_MS = 100
+# The longest a request waits for its admission's round trip: a frozen Redis (SIGSTOP, a VM pause)
+# or a stopped primary answers nothing, and the request gets 503 this soon instead of waiting out
+# its deadline behind round trips that each wait COMMAND_TIMEOUT_S (shared/redis_client.py). An
+# admission already sent may still land once Redis answers: its entry then runs for nobody.
+ADMISSION_TIMEOUT_S = 2.0
 
 
 class Dispatcher:
@@ -235,10 +248,13 @@ class Dispatcher:
                                  deadline_ms=enqueued_ms + timeout_ms, enqueued_ms=enqueued_ms, parameters=parameters)
         stream = self._listener.register_stream(request_id, bound)
         try:
-            await asyncio.wait_for(asyncio.shield(self._admit(model, message)), timeout_ms / 1000)
+            await asyncio.wait_for(asyncio.shield(self._admit(model, message)),
+                                   min(timeout_ms / 1000, ADMISSION_TIMEOUT_S))
         except TimeoutError as exc:
             self._listener.discard(request_id)
-            raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
+            if timeout_ms / 1000 <= ADMISSION_TIMEOUT_S:
+                raise DeadlineExceededError(f"not queued within {timeout_ms} ms") from exc
+            raise UnavailableError(self._not_answered()) from exc
         except RedisError as exc:
             self._listener.discard(request_id)
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
@@ -288,7 +304,7 @@ class Dispatcher:
             # an admission still waiting for its round trip is then left out of it, and an entry
             # already added is answered to nobody (its reply is dropped).
             with Deadline(self._remaining_s(timeout_ms, started_ms)):
-                await self._admit(model, message)
+                await self._admit_within(model, message)
                 self._listener.mark_enqueued(request_id)
                 self.submitted += 1
                 # Queued, batched, run and published: until the reply is here.
@@ -302,13 +318,34 @@ class Dispatcher:
             raise DeadlineExceededError(f"no reply within {timeout_ms} ms") from exc
         except RedisError as exc:
             # The client gets no hostnames or Redis text; the request's log line has them (detail).
-            if is_out_of_memory(exc):
-                # Nothing was added (Redis refuses the write whole); serving resumes once memory frees.
-                raise UnavailableError("Redis is out of memory (maxmemory reached); request not queued, retry later",
-                                       detail=str(exc)) from exc
+            refusal = describe_refusal(exc)
+            if refusal is not None:
+                # Nothing was added (Redis refuses the write whole); serving resumes once Redis takes writes.
+                raise UnavailableError(f"{refusal}; request not queued, retry later", detail=str(exc)) from exc
             raise UnavailableError("the broker is unreachable; retry later", detail=str(exc)) from exc
         finally:
             self._listener.discard(request_id)
+
+    async def _admit_within(self, model: str, message: RequestMessage) -> None:
+        """`_admit` bounded by ADMISSION_TIMEOUT_S: past it, UnavailableError (503), the request's own
+        deadline notwithstanding (it stays the bound when it is the shorter)."""
+        bound = Deadline(ADMISSION_TIMEOUT_S)
+        try:
+            with bound:
+                await self._admit(model, message)
+        except TimeoutError:
+            if not bound.expired:
+                raise
+            raise UnavailableError(self._not_answered()) from None
+
+    def _not_answered(self) -> str:
+        """The 503's message for an admission past ADMISSION_TIMEOUT_S: Redis' refusal when the health
+        refresh saw one (a read-only replica's writes are retried until then), else a stall."""
+        refusal = self._health.view.redis_refusal
+        if refusal is not None:
+            return f"{refusal}; request not queued, retry later"
+        return (f"Redis did not answer within {ADMISSION_TIMEOUT_S:g} s (stalled, or its primary is stopped); "
+                "request not queued, retry later")
 
     async def _admit(self, model: str, message: RequestMessage) -> None:
         """Check the bound and XADD in one step (ADMISSION, one call for one round trip's admissions
@@ -319,14 +356,16 @@ class Dispatcher:
         request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/admission/backpressure.py), or RedisError."""
         config = self.config_for(model)
+        self._throughput[model].note_demand()
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
             check = self._reply_check()
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).
             admitted = await self._scripts.call_grouped(
-                self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model)],
+                self._admission, [self._keys.request_stream(model), self._keys.queued_requests(model),
+                                  self._keys.admissions(model)],
                 [config.queue_bound, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, config.queue_bound_bytes, REQUESTS_FIELD,
                  self._requests_per_entry(model)],
-                [], [message.encode()], call_key=lambda: self._keys.admission(model, secrets.token_hex(16)))
+                [], [message.encode()], call_args=lambda: [secrets.token_hex(16), now_ms()])
             # A check queued with this admission was answered in the same round trip, ahead of it
             # (run_scripts keeps the calls' order, and an item's answer is set one callback after its call's).
             checked = None if check is None else check.result() if check.done() else await asyncio.shield(check)

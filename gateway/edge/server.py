@@ -9,7 +9,12 @@ Limits (Settings, `http_*`):
         end of its headers; past it, 408 and close (slowloris: headers a byte at a time).
     body deadline: from the end of the headers to the end of the body; past it the connection is
         closed and the request counts as `client_disconnected` (a body that never finishes).
-    connections: past the cap a new connection is closed at once, before reading a byte.
+    connections: past the cap, a new connection takes the place of the connection that has been
+        sending its headers the longest (408 and close: slowloris holds the cap with headers a byte
+        a second, and a well-behaved client or a /health/* probe sends its headers within
+        milliseconds, so it is never that one); only when no connection is within its headers
+        (every one has a request being served, or is kept alive idle) is the new one closed at
+        once, before reading a byte.
     headers: more than `http_max_headers` headers, or more than `http_max_header_bytes` of request
         line and headers together, get 431 and close.
     keep-alive: an idle kept-alive connection is closed after `http_keep_alive_s` (uvicorn's).
@@ -56,6 +61,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     settings: ClassVar[Settings]
     deadlines: ClassVar[CoarseTimers | None] = None
+    # The connections within their headers, oldest first (dicts keep insertion order): set with
+    # `deadlines`, for the same server.
+    heads: ClassVar[dict[GuardedHttpToolsProtocol, None]] = {}
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._header_count = 0
@@ -65,15 +73,31 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         if cls.deadlines is None or cls.deadlines.loop is not self.loop:  # a server run again on a new loop
             shortest_s = min(self.settings.http_header_timeout_s, self.settings.http_body_timeout_s)
             cls.deadlines = CoarseTimers(self.loop, shortest_s / CHECKS_PER_DEADLINE)
-        if len(self.connections) > self.settings.http_max_connections:
+            cls.heads = {}
+        if len(self.connections) > self.settings.http_max_connections and not self._evict_slowest_head():
             log.debug("connection refused: at the cap", extra={"connections": len(self.connections)})
             transport.close()
             return
-        self._arm(self.settings.http_header_timeout_s, self._headers_late)
+        self._arm_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def _evict_slowest_head(self) -> bool:
+        """Close (408) the connection that has been within its headers the longest, to make room
+        for a new one at the cap; False when no connection is within its headers."""
+        if not self.heads:
+            return False
+        slowest = next(iter(self.heads))
+        log.debug("at the connection cap: closing the slowest head", extra={"client": slowest.client})
+        slowest._refuse(b"408 Request Timeout")
+        return True
+
+    def _arm_head(self) -> None:
+        self._arm(self.settings.http_header_timeout_s, self._headers_late)
+        self.heads.pop(self, None)  # to the end: the newest head
+        self.heads[self] = None
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, except that a malformed request is logged at DEBUG (any client can send
@@ -99,7 +123,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._header_count = 0
         self._header_bytes = 0
         if self not in self._deadlines:  # a kept-alive connection's next request: its own deadline
-            self._arm(self.settings.http_header_timeout_s, self._headers_late)
+            self._arm_head()
 
     def on_url(self, url: bytes) -> None:
         self._count_bytes(len(url))
@@ -113,6 +137,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
+        self.heads.pop(self, None)
         self._arm(self.settings.http_body_timeout_s, self._body_late)
         super().on_headers_complete()
 
@@ -147,6 +172,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _disarm(self) -> None:
         self._deadlines.cancel(self)
+        self.heads.pop(self, None)
 
     def _headers_late(self) -> None:
         log.debug("request headers not received in time; closing", extra={"client": self.client})

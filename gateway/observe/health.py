@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import redis.asyncio as aioredis
+from redis.exceptions import ClusterDownError, ClusterError
 
 from vramguard.gateway.admission.expected import ReturnWatch
 from vramguard.shared.clock import now_ms
@@ -22,6 +23,7 @@ from vramguard.shared.errors import UnavailableError
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys
 from vramguard.shared.periodic import Periodic
+from vramguard.shared.redis_client import describe_refusal, eviction_problem
 from vramguard.shared.settings import Settings
 from vramguard.shared.tasks import TaskWatch
 
@@ -35,6 +37,10 @@ class HealthView:
 
     redis_ok: bool = False
     redis_error: str = "not checked yet"
+    # Why Redis refused the refresh's write, in words fit for any client (read-only, out of memory).
+    redis_refusal: str | None = None
+    # Its maxmemory-policy evicts (read every refresh: CONFIG SET changes it at run time).
+    eviction: str | None = None
     workers: dict[str, dict[str, WorkerBeat]] = field(default_factory=dict)
     refreshed_ms: int = 0
     start_failures: dict[str, list[str]] = field(default_factory=dict)  # model -> why its workers' starts failed
@@ -90,16 +96,27 @@ class Health:
                 workers[model] = {
                     wid.decode(): WorkerBeat.from_hash(beat) for wid, beat in zip(ids, beats, strict=True) if beat
                 }
+            eviction = None if self._settings.redis_eviction_check == "off" else await eviction_problem(self._redis)
+            if eviction is not None and eviction != self.view.eviction:
+                log.error(eviction)  # once per change
             self.view = HealthView(redis_ok=True, redis_error="", workers=workers, refreshed_ms=now,
-                                   start_failures=failures)
+                                   start_failures=failures, eviction=eviction)
             for model in self._settings.served_models:
                 if self.live_workers(model):
                     self.returns.saw(model, now)
         except Exception as exc:  # any error (a reply of an unexpected shape too): Redis cannot be trusted now
+            if isinstance(exc, ClusterError) and not isinstance(exc, ClusterDownError):
+                # redis-py ran out of redirects: a slot of the model is migrating between two healthy
+                # primaries (coalesce.py's CLUSTER_REDIRECT_RETRY says why it loops). The last view
+                # stands until the next refresh, instead of 503 for every request of this interval.
+                log.info("Redis Cluster redirects ran out (a slot migrating); keeping the last view",
+                         extra={"error": repr(exc)})
+                return
             error = str(exc) or type(exc).__name__
             if self.view.redis_ok or self.view.redis_error != error:  # once per change, not once per beat
                 log.warning("Redis check failed; not ready", extra={"error": repr(exc)})
-            self.view = HealthView(redis_ok=False, redis_error=error, refreshed_ms=now)
+            self.view = HealthView(redis_ok=False, redis_error=error, refreshed_ms=now,
+                                   redis_refusal=describe_refusal(exc))
 
     def live_workers(self, model: str) -> dict[str, WorkerBeat]:
         """Workers of `model` whose heartbeat was fresh at the last refresh, who report ready and
@@ -131,7 +148,10 @@ class Health:
         if self.admission_closed:
             raise UnavailableError("the gateway is shutting down")
         if not self.view.redis_ok:
-            raise UnavailableError("the broker is unreachable; retry later", detail=self.view.redis_error)
+            raise UnavailableError(f"{self.view.redis_refusal or 'the broker is unreachable'}; retry later",
+                                   detail=self.view.redis_error)
+        if self.view.eviction is not None and self._settings.redis_eviction_check == "refuse":
+            raise UnavailableError(f"{self.view.eviction} (VRAMGUARD_REDIS_EVICTION_CHECK=refuse)")
         now = now_ms()
         if not self.has_live_worker(model, now) and not self.returns.expected(model, now):
             raise UnavailableError(f"no live worker serves model {model!r}")
@@ -164,6 +184,10 @@ class Health:
             reasons.append(self.tasks.ended)
         if not self.view.redis_ok:
             reasons.append(self._redis_reason(detail))
+        warnings = [] if self.view.eviction is None else [f"redis: {self.view.eviction}"]
+        if self._settings.redis_eviction_check == "refuse":
+            reasons.extend(warnings)
+            warnings = []
         models: dict[str, object] = {}
         servable = 0
         for model in self._settings.served_models:
@@ -173,7 +197,7 @@ class Health:
             servable += bool(live)
         if self.view.redis_ok and not servable:
             reasons.append("no served model has a live worker")
-        return (not reasons, {"ready": not reasons, "reasons": reasons, "models": models})
+        return (not reasons, {"ready": not reasons, "reasons": reasons, "warnings": warnings, "models": models})
 
     def model_readiness(self, model: str, *, detail: bool = False) -> tuple[bool, dict[str, object]]:
         """(ready, details) for one served model (`/v1/models/{model}/ready`, `/v2/models/{model}/ready`):
@@ -188,7 +212,10 @@ class Health:
 
     def _redis_reason(self, detail: bool) -> str:
         # Open routes get no host names or Redis text (they may name internal hosts); the log has them.
-        return f"redis: {self.view.redis_error}" if detail else "redis: unreachable or failing"
+        # A refusal's own words (read-only, out of memory) name neither.
+        if detail:
+            return f"redis: {self.view.redis_error}"
+        return f"redis: {self.view.redis_refusal or 'unreachable or failing'}"
 
     def _model_state(self, model: str) -> tuple[int, int, list[str]]:
         """(live workers, fresh heartbeats, what the model lacks: [] when it has a live worker)."""

@@ -162,6 +162,43 @@ class Load:
         return self.tally
 
 
+@dataclass
+class Answer:
+    """One request of `open_loop`: sent at `sent_s` (from its start), answered `latency_s` later."""
+
+    sent_s: float
+    latency_s: float
+    status: int | None
+    code: str | None
+
+
+async def open_loop(url: str, rate_per_s: float, duration_s: float, started: float, timeout_ms: int) -> list[Answer]:
+    """`rate_per_s` requests a second to the synthetic model for `duration_s` from `started`
+    (monotonic s), each sent on schedule whatever the others do (an open loop: a slow answer does not
+    slow the sending, as a closed loop's clients stuck on a fault would), each with `timeout_ms`."""
+    answers: list[Answer] = []
+    async with httpx.AsyncClient(base_url=url, timeout=timeout_ms / 1000 + 10,
+                                 limits=httpx.Limits(max_connections=1000)) as http:
+
+        async def one(value: int) -> None:
+            sent = time.monotonic()
+            try:
+                response = await http.post("/v1/models/synthetic/infer",
+                                           json={"inputs": [value], "timeout_ms": timeout_ms})
+                code = response.json().get("error", {}).get("code") if response.status_code != 200 else None
+                status: int | None = response.status_code
+            except httpx.HTTPError as exc:
+                status, code = None, repr(exc)
+            answers.append(Answer(sent - started, time.monotonic() - sent, status, code))
+
+        tasks = []
+        for value in range(int(rate_per_s * duration_s)):
+            await asyncio.sleep(max(0.0, started + value / rate_per_s - time.monotonic()))
+            tasks.append(asyncio.create_task(one(value)))
+        await asyncio.gather(*tasks)
+    return answers
+
+
 def _result(value: int, sent: object, sent_s: float, response: httpx.Response) -> Result:
     answered_s = time.monotonic()
     try:

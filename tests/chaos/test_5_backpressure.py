@@ -14,6 +14,7 @@ served in the end.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 from tests.chaos.load import Load, Result, check_executions
@@ -59,3 +60,37 @@ async def test_queue_bound_answers_429_with_retry_after(chaos_stack, chaos_redis
     assert set(tally.errors) == {"429 queue_full"}  # every accepted request succeeded
     assert all(attempts[-1].status == 200 for attempts in per_client)  # each client served in the end
     assert max(depths) <= BOUND
+
+
+async def test_retry_after_grows_while_the_worker_is_stalled(chaos_stack) -> None:
+    """1. One worker serves one request at a time in 50 ms (about 20 a second); queue_bound 20.
+    2. 30 clients keep sending for 3 s: the queue sits at its bound.
+    3. At 2.5 s the worker is stopped (SIGSTOP) for 12 s, past the rate's 10 s window; a request
+       every second meanwhile.
+    Result: while the worker drains, a refusal's Retry-After is what the backlog takes at its rate
+    (a second or two); once it stalls, Retry-After grows with the stall, past the draining one, and
+    keeps growing once the window holds no reply (it fell back to 1 s then: no rate known)."""
+    chaos_stack.settings.update({"models__synthetic__queue_bound": 20, "models__synthetic__max_batch_size": 1,
+                                 "models__synthetic__params": '{"batch_ms": 50}'})
+    chaos_stack.start_gateway()
+    worker = chaos_stack.start_worker()
+    await chaos_stack.wait_ready()
+    async with Load(chaos_stack.url, clients=30, timeout_ms=20_000) as load:
+        clients = asyncio.ensure_future(load.run_for(3))
+        await asyncio.sleep(2.5)
+        worker.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        serving = [int(r.retry_after) for r in load.tally.results if r.status == 429 and r.retry_after]
+        stalled: list[int] = []
+        try:
+            while time.monotonic() - stopped < 12:
+                result = await load.request()
+                if result.status == 429 and result.retry_after:
+                    stalled.append(int(result.retry_after))
+                await asyncio.sleep(1)
+        finally:
+            worker.send_signal(signal.SIGCONT)
+        await clients
+    print(f"Retry-After while draining {sorted(set(serving))}, then stalled {stalled}")
+    assert serving and stalled, (serving, stalled)
+    assert stalled == sorted(stalled) and stalled[-1] > max(serving) and stalled[-1] >= 10, (serving, stalled)

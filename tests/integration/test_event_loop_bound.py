@@ -10,12 +10,12 @@ import gzip
 import json
 import statistics
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
 
-from tests.helpers import Stack
+from tests.helpers import RedisServer, Stack, load_slack, wait_until
 
 CAP = 8 * 1024 * 1024  # VRAMGUARD_MAX_BODY_BYTES' default, which the stack keeps
 
@@ -185,3 +185,67 @@ async def test_health_live_answers_within_100_ms_while_the_worst_body_of_each_ro
 def post(url: str, body: bytes, headers: dict[str, str]) -> int:
     with httpx.Client(timeout=120) as http:
         return http.post(url, content=body, headers=headers).status_code
+
+
+def unclosed_bodies() -> list[tuple[str, bytes]]:
+    """(path, body): 8 MiB of nested empty lists on each JSON route, the last `}` missing (not JSON:
+    a parser builds every list before it meets the end)."""
+    nested = b"[[]]," * ((CAP - 200) // 5) + b"[[]]]"
+    return [("/v1/chat/completions", b'{"model": "synthetic", "messages": [' + nested),
+            ("/v1/embeddings", b'{"model": "minilm", "input": [' + nested),
+            ("/v1/models/synthetic/infer", b'{"inputs": [' + nested),
+            ("/v2/models/synthetic/infer", b'{"inputs": [' + nested)]
+
+
+def timed_post(url: str, body: bytes) -> tuple[int, float]:
+    started = time.monotonic()
+    status = post(url, body, {"Content-Type": "application/json"})
+    return status, time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def lone_gateway(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A gateway with the default bounds on bodies (the edge stack holds two 8 MiB bodies at most)
+    serving minilm and synthetic, no worker: the bodies below are refused before admission."""
+    stack = Stack(redis_server.url, tmp_path_factory.mktemp("lone"), key_prefix="vgloop",
+                  served_models="minilm,synthetic")
+    try:
+        stack.start_gateway()
+        asyncio.run(wait_until(lambda: live(stack.url), 60))
+        # A body the helper process counts: the first waits for its start (a spawned interpreter).
+        assert post(stack.url + "/v1/models/synthetic/infer", b"[" + b"[]," * 100_000 + b"[]]",
+                    {"Content-Type": "application/json"}) == 413
+        yield stack
+    finally:
+        stack.stop()
+
+
+async def live(url: str) -> bool:
+    try:
+        async with httpx.AsyncClient() as http:
+            return (await http.get(url + "/health/live")).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+async def test_four_unclosed_bodies_at_the_cap_get_their_4xx_within_a_second_and_probes_stay_fast(
+        lone_gateway: Stack) -> None:
+    """Four such bodies at once, one per route, each sent from its own thread. Result: each gets a
+    4xx (413: its values counted off the loop) within 1 s of its first byte (parsed on the loop they
+    took 17 s), and /health/live answers within 300 ms throughout, as long as any is in flight; both
+    bounds times load_slack() (the count runs in a niced helper: a busy machine serves it last)."""
+    hostile = [asyncio.ensure_future(asyncio.to_thread(timed_post, lone_gateway.url + path, body))
+               for path, body in unclosed_bodies()]
+    latencies_ms: list[float] = []
+    client = httpx.AsyncClient(base_url=lone_gateway.url, timeout=60)
+    while not all(request.done() for request in hostile) or not latencies_ms:
+        started = time.monotonic()
+        assert (await client.get("/health/live")).status_code == 200
+        latencies_ms.append((time.monotonic() - started) * 1000)
+        await asyncio.sleep(0.01)
+    await client.aclose()
+    answers = [request.result() for request in hostile]
+    assert all(400 <= status < 500 for status, _ in answers), answers
+    slack = load_slack()
+    assert max(seconds for _, seconds in answers) < 1 * slack, (answers, slack)
+    assert max(latencies_ms) < 300 * slack, f"{len(latencies_ms)} probes, slowest {max(latencies_ms):.0f} ms, {slack=}"

@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
+import msgpack
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -33,6 +34,7 @@ from vramguard.gateway.admission.coalesce import (
     run_scripts,
 )
 from vramguard.gateway.admission.dispatch import ADMISSION, ADMISSION_RECORD_TTL_MS
+from vramguard.shared.clock import now_ms
 from vramguard.shared.keys import Keys
 from vramguard.shared.protocol import ENTRY_FIELD, REQUESTS_FIELD, split_requests
 
@@ -67,8 +69,13 @@ async def client(request: pytest.FixtureRequest, redis_server: RedisServer) -> A
             server.stop()
 
 
-def record(call_id: str) -> str:
-    return f"grouped:adm:{{m}}:{call_id}"
+RECORDS = "grouped:adm:{m}"  # the admission records hash (shared/keys.py admissions)
+
+
+async def record_expiry_ms(client: aioredis.Redis, call_id: str) -> int | None:
+    """When the call's record expires (epoch ms), or None when it has none."""
+    packed = await client.hget(RECORDS, call_id)
+    return None if packed is None else int(msgpack.unpackb(packed)[0])
 
 
 ARGS: list[object] = [1000, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND, REQUESTS_FIELD, 1]
@@ -77,16 +84,16 @@ ARGS: list[object] = [1000, ENTRY_FIELD, ADMISSION_RECORD_TTL_MS, BYTES_BOUND, R
 def admit(batcher: ScriptBatcher, script: object, packed: bytes, *, bound: int = 1000,
           calls: list[str] | None = None, per_entry: int = 1) -> asyncio.Future[object]:
     """One request's admission, queued as dispatch.py queues it (`per_entry` requests at most
-    share a stream entry); each call's record key is appended to `calls`."""
+    share a stream entry); each call's id is appended to `calls`."""
 
-    def call_key() -> str:
-        key = record(uuid.uuid4().hex)
+    def call_args() -> list[object]:
+        call_id = uuid.uuid4().hex
         if calls is not None:
-            calls.append(key)
-        return key
+            calls.append(call_id)
+        return [call_id, now_ms()]
 
-    return batcher.call_grouped(script, [STREAM, QUEUED], [bound, *ARGS[1:5], per_entry],  # type: ignore[arg-type]
-                                [], [packed], call_key=call_key)
+    return batcher.call_grouped(script, [STREAM, QUEUED, RECORDS],  # type: ignore[arg-type]
+                                [bound, *ARGS[1:5], per_entry], [], [packed], call_args=call_args)
 
 
 async def calls_of(client: aioredis.Redis, command: str) -> int:
@@ -101,8 +108,8 @@ async def test_each_request_of_one_call_keeps_its_own_outcome(client: aioredis.R
     """1. The stream holds 3 entries; its bound is 5.
     2. One loop pass queues four admissions.
     Result: one script call (one XLEN, one record); the first two are admitted in order, the
-    next two get {0, 5}; two entries added; the call's record holds its answer, with the
-    record TTL."""
+    next two get {0, 5}; two entries added; the call's record holds its answer, until the
+    record TTL from now."""
     script = client.register_script(ADMISSION)
     for _ in range(3):
         await client.xadd(STREAM, {ENTRY_FIELD: b"old"})
@@ -118,7 +125,8 @@ async def test_each_request_of_one_call_keeps_its_own_outcome(client: aioredis.R
     entries = await client.xrange(STREAM)
     assert [e[1][ENTRY_FIELD] for e in entries[3:]] == [b"req-a", b"req-b"]
     assert [e[0] for e in entries[3:]] == [a[1], b[1]]  # type: ignore[index]
-    assert 0 < await client.pttl(calls[0]) <= ADMISSION_RECORD_TTL_MS
+    expiry_ms = await record_expiry_ms(client, calls[0])
+    assert expiry_ms is not None and now_ms() < expiry_ms <= now_ms() + ADMISSION_RECORD_TTL_MS
 
 
 async def test_a_re_sent_call_admits_nothing_twice_and_a_flushed_script_is_reloaded(client: aioredis.Redis) -> None:
@@ -133,11 +141,12 @@ async def test_a_re_sent_call_admits_nothing_twice_and_a_flushed_script_is_reloa
     batcher = ScriptBatcher(client)
     first = await asyncio.gather(*(admit(batcher, script, b"x", calls=calls) for _ in range(5)))
     await client.script_flush()
-    (again,) = await run_scripts(client, [ScriptCall(script, [STREAM, QUEUED, calls[0]], [*ARGS, *[b"x"] * 5])])
+    (again,) = await run_scripts(client, [ScriptCall(script, [STREAM, QUEUED, RECORDS],
+                                                     [*ARGS, calls[0], now_ms(), *[b"x"] * 5])])
     assert again == first and all(r[0] == 1 for r in first)  # type: ignore[index]
     assert await client.xlen(STREAM) == 5
     refused = await asyncio.gather(*(admit(batcher, script, b"x", bound=0, calls=calls) for _ in range(2)))
-    assert refused == [[0, 5], [0, 5]] and not await client.exists(calls[1])
+    assert refused == [[0, 5], [0, 5]] and await record_expiry_ms(client, calls[1]) is None
 
 
 async def test_a_failed_call_reaches_every_request_of_it(client: aioredis.Redis) -> None:

@@ -5,15 +5,18 @@ counted under their own outcome with no traceback in the log."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import resource
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.helpers import Stack
+from tests.helpers import Stack, load_slack
 
 LIMITS = {"http_header_timeout_s": 1, "http_body_timeout_s": 1, "http_max_connections": 40,
           "http_keep_alive_s": 1, "http_max_headers": 50, "http_max_header_bytes": 8192}
@@ -113,13 +116,36 @@ def test_slow_headers_get_408_and_the_connections_are_released(gateway: Stack) -
     assert open_fds(gateway) <= baseline
 
 
-def test_connections_past_the_cap_are_closed_at_once(gateway: Stack) -> None:
+def test_connections_past_the_cap_are_closed_at_once_when_none_is_within_its_headers(gateway: Stack) -> None:
+    """Every connection at the cap is sending a body (its headers done): a new one is closed
+    without a byte read or sent."""
     held = [connect(gateway) for _ in range(LIMITS["http_max_connections"])]
     try:
-        time.sleep(0.2)  # let the server accept them all
+        for sock in held:
+            sock.sendall(b"POST /v1/models/synthetic/infer HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.2)  # let the server accept them all and read their headers
         with connect(gateway) as extra:
             extra.settimeout(2)
             assert extra.recv(100) == b""  # closed without a byte read or sent
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_slowest_head(gateway: Stack) -> None:
+    """Every connection at the cap is within its headers (a byte sent): a new one is served, and
+    the connection that has been within its headers the longest gets 408 and is closed."""
+    held = [connect(gateway) for _ in range(LIMITS["http_max_connections"])]
+    try:
+        for sock in held:
+            sock.sendall(b"G")
+            time.sleep(0.002)  # an order of arrival
+        time.sleep(0.2)
+        with connect(gateway) as probe:
+            probe.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(probe).startswith(b"HTTP/1.1 200")
+        assert read_all(held[0]).startswith(b"HTTP/1.1 408")
     finally:
         for sock in held:
             sock.close()
@@ -182,3 +208,87 @@ def test_head_is_get_without_the_body_on_every_get_route(gateway: Stack) -> None
         assert b"content-type: " + got.headers["content-type"].encode() in head.lower(), (path, head)
     wrong = httpx.post(f"{gateway.url}/health/live")
     assert wrong.status_code == 405 and wrong.headers["Allow"] == "GET, HEAD", wrong.headers
+
+
+class SlowHeads:
+    """`count` connections that each send their headers a byte a second, from a thread; one the
+    server closes (408, or its place taken) is opened again, so the pressure stays."""
+
+    HEAD = b"GET /health/live HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 10_000
+
+    def __init__(self, stack: Stack, count: int) -> None:
+        self.stack = stack
+        self.socks = [self._open() for _ in range(count)]
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> tuple[socket.socket, int]:
+        sock = socket.create_connection(("127.0.0.1", self.stack.port), timeout=5)
+        sock.setblocking(False)
+        return sock, 0
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for i, (sock, sent) in enumerate(self.socks):
+                try:
+                    sock.send(self.HEAD[sent:sent + 1])
+                    self.socks[i] = (sock, sent + 1)
+                except OSError:  # closed by the server
+                    sock.close()
+                    try:
+                        self.socks[i] = self._open()
+                        self.reopened += 1
+                    except OSError:
+                        pass
+
+    def __enter__(self) -> SlowHeads:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        for sock, _ in self.socks:
+            sock.close()
+
+
+@pytest.mark.slow
+def test_1000_slow_header_connections_leave_probes_and_clients_served(stack: Stack) -> None:
+    """1. A gateway with the default limits (1,000 connections, a 10 s header deadline) and a worker.
+    2. 1,000 connections send their headers a byte a second (slowloris) for 15 s, the test's file
+       descriptor limit raised to fit them.
+    3. Meanwhile a probe asks /health/live on a new connection every 100 ms, and a client sends an
+       inference request on a new connection every 500 ms.
+    Result: every probe answers 200 within 1 s (times load_slack()), every request 200 (they were
+    refused at the cap while the slow connections held it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    stack.start_gateway()
+    stack.start_worker(model="synthetic")
+    asyncio.run(stack.wait_ready(120))
+    probes: list[tuple[int, float]] = []
+    requests: list[int] = []
+    with SlowHeads(stack, 1000) as attack:
+        started = time.monotonic()
+        while time.monotonic() - started < 15:
+            probe_started = time.monotonic()
+            try:
+                status = httpx.get(f"{stack.url}/health/live", headers={"Connection": "close"}, timeout=10).status_code
+            except httpx.HTTPError:
+                status = 0
+            probes.append((status, time.monotonic() - probe_started))
+            if len(probes) % 5 == 0:
+                try:
+                    requests.append(httpx.post(f"{stack.url}/v1/models/synthetic/infer", json={"inputs": [1]},
+                                               headers={"Connection": "close"}, timeout=30).status_code)
+                except httpx.HTTPError:
+                    requests.append(0)
+            time.sleep(max(0.0, probe_started + 0.1 - time.monotonic()))
+        reopened = attack.reopened
+    slowest = max(took for _, took in probes)
+    print(f"1000 slow heads: {len(probes)} probes, slowest {slowest:.3f} s; {len(requests)} requests; "
+          f"{reopened} slow connections closed and opened again")
+    assert all(status == 200 for status, _ in probes), sorted({status for status, _ in probes})
+    assert slowest < 1 * load_slack(), slowest
+    assert requests and all(status == 200 for status in requests), requests

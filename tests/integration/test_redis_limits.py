@@ -1,7 +1,8 @@
 """Redis refusing writes, and Redis that may delete our keys: a demoted primary (READONLY) is a
 reason to reconnect, not a permanent error; a Redis at maxmemory (OOM) gives clients 503 naming
-the cause while what was accepted survives; an evicting maxmemory-policy is caught at start, and
-keys lost to eviction are reported as eviction, not as a restart."""
+the cause while what was accepted survives; a read-only replica is named in readiness and in the
+503; an evicting maxmemory-policy is caught at start and when set at run time, and keys lost to
+eviction are reported as eviction, not as a restart."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterator
 
+import httpx
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ReadOnlyError
 
-from tests.helpers import RedisServer, wait_until
+from tests.helpers import RedisServer, gateway_with, wait_until
 from vramguard.shared.redis_client import check_eviction_policy, connect, describe_data_loss
 from vramguard.shared.settings import Settings
 
@@ -114,3 +116,47 @@ async def test_keys_lost_to_eviction_are_reported_as_eviction(admin, own_redis) 
     message = await describe_data_loss(client)
     assert "evicted" in message and "maxmemory-policy" in message
     await client.aclose()
+
+
+async def test_a_read_only_redis_is_named_in_readiness_and_in_the_503(admin, gateway) -> None:
+    """1. The gateway's Redis becomes a replica (REPLICAOF a port where nothing listens): it keeps
+    its data and refuses writes (replica-read-only). Result: /health/ready says 503 naming it,
+    without the API key too, and a request's 503 names it (it used to say "unreachable")."""
+    await admin.execute_command("REPLICAOF", "127.0.0.1", "1")
+
+    async def named() -> bool:
+        response = await gateway.get("/health/ready")
+        return response.status_code == 503 and any("read-only" in r for r in response.json()["reasons"])
+
+    await wait_until(named, 30)
+    refused = await gateway.post("/v1/models/synthetic/infer", json={"inputs": [1], "timeout_ms": 10_000})
+    assert refused.status_code == 503 and "read-only replica" in refused.json()["error"]["message"], refused.text
+
+
+@pytest.mark.parametrize("check", ["warn", "refuse"])
+async def test_an_evicting_policy_set_at_run_time_is_named_in_readiness_and_in_the_503(
+        admin, settings_factory, start_worker, check: str) -> None:
+    """1. A gateway and a worker run on a Redis under noeviction.
+    2. `CONFIG SET maxmemory-policy allkeys-lru` while they run.
+    Result: readiness names the policy, as a warning (VRAMGUARD_REDIS_EVICTION_CHECK=warn: still
+    serving) or as a reason (refuse: 503, and each request's 503 names it)."""
+    await start_worker()
+    async with gateway_with(settings_factory(redis_eviction_check=check)) as gateway:
+        await wait_until(lambda: ready(gateway), 30)
+        await admin.config_set("maxmemory-policy", "allkeys-lru")
+        field = "warnings" if check == "warn" else "reasons"
+
+        async def named() -> bool:
+            details = (await gateway.get("/health/ready")).json()
+            return any("allkeys-lru" in r for r in details[field])
+
+        await wait_until(named, 30)
+        answer = await gateway.post("/v1/models/synthetic/infer", json={"inputs": [1], "timeout_ms": 10_000})
+        if check == "warn":
+            assert answer.status_code == 200 and await ready(gateway), answer.text
+        else:
+            assert answer.status_code == 503 and "allkeys-lru" in answer.json()["error"]["message"], answer.text
+
+
+async def ready(gateway: httpx.AsyncClient) -> bool:
+    return (await gateway.get("/health/ready")).status_code == 200

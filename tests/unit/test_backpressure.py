@@ -23,19 +23,41 @@ class Clock:
 def test_rate_counts_replies_in_the_window_only() -> None:
     clock = Clock()
     meter = ThroughputMeter(window_s=10, clock=clock)
-    assert meter.rate_per_s() is None  # nothing seen: unknown
-    clock.now_s += 30  # an idle gateway is not evidence of stuck workers
+    meter.note_demand()
+    assert meter.rate_per_s() is None  # busy for under MIN_SPAN_S: unknown
+    clock.now_s += 4
     meter.record(100)
-    assert meter.rate_per_s() is None  # one burst: not a rate yet
-    clock.now_s += 0.5
-    assert meter.rate_per_s() is None
-    clock.now_s += 3.5
+    assert meter.rate_per_s() == pytest.approx(25.0)  # 100 replies over the 4 s watched
+    clock.now_s += 4
     meter.record(100)
-    assert meter.rate_per_s() == pytest.approx(50.0)  # 200 replies over 4 s
-    clock.now_s += 8
-    assert meter.rate_per_s() == pytest.approx(100 / 8)  # the first 100 fell out of the window
+    assert meter.rate_per_s() == pytest.approx(25.0)  # 200 over 8 s
+    clock.now_s += 7
+    assert meter.rate_per_s() == pytest.approx(10.0)  # the first 100 fell out of the 10 s window
     clock.now_s += 20
+    assert meter.rate_per_s() == pytest.approx(0.1)  # none in the window: under one per window
+    clock.now_s += 3600
+    meter.note_demand()  # the first request after an idle hour: a new busy spell, nothing known yet
     assert meter.rate_per_s() is None
+
+
+def test_retry_after_grows_with_the_backlog_and_with_a_stalled_worker() -> None:
+    """Workers serve 20 requests a second, then stall: at one depth Retry-After grows as the
+    stall lasts; at one moment it grows with the depth (clients refused at different depths are
+    not sent back in lock-step)."""
+    clock = Clock()
+    meter = ThroughputMeter(window_s=10, clock=clock)
+    for _ in range(100):
+        clock.now_s += 0.05
+        meter.note_demand()
+        meter.record()
+    serving = [retry_after_s(depth, meter.rate_per_s()) for depth in (20, 60, 200)]
+    assert serving == [1, 3, 10]
+    stalled = []
+    for _ in range(4):
+        clock.now_s += 3
+        meter.note_demand()
+        stalled.append(retry_after_s(60, meter.rate_per_s()))
+    assert stalled == sorted(stalled) and stalled[0] > serving[1] and stalled[-1] == MAX_RETRY_AFTER_S, stalled
 
 
 @pytest.mark.parametrize(

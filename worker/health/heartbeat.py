@@ -2,7 +2,8 @@
 record (shared/heartbeat.py's WorkerBeat: state, counters, placement, memory) to the hash
 `keys.heartbeat(worker_id)` with a TTL of `heartbeat_ttl_ms`, and its beat time to the model's
 worker index (a sorted set), which gateway/observe/health.py reads. A worker that dies simply stops
-beating: its hash expires and the gateway drops it."""
+beating: its hash expires and the gateway drops it. Beside it, in a task of its own that never
+waits on Redis, it touches its alive file, which the liveness probe reads (worker/health/alive.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import Keys
 from vramguard.shared.periodic import Periodic
 from vramguard.shared.settings import Settings
+from vramguard.worker.health.alive import alive_file, touch_alive_file
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class Heartbeat:
         self._keys = keys
         self._snapshot = beat
         self._beater = Periodic("heartbeat", self._beat_logged, settings.heartbeat_interval_ms / 1000)
+        # Its own task: a beat to a stalled Redis waits seconds, and the probe must not read that as a hang.
+        self._alive_file = alive_file(settings.key_prefix, settings.consumer_name)
+        self._toucher = Periodic("alive-file", self._touch, settings.heartbeat_interval_ms / 1000)
 
     async def beat(self) -> None:
         """Write one heartbeat. Raises RedisError."""
@@ -75,6 +80,13 @@ class Heartbeat:
 
     def start(self) -> None:
         self._beater.start()
+        self._toucher.start()
+
+    async def _touch(self) -> None:
+        try:
+            touch_alive_file(self._alive_file)
+        except OSError as exc:  # a full or read-only disk: the probe then says hung, which it will see
+            log.warning("cannot touch the alive file", extra={"path": str(self._alive_file), "error": str(exc)})
 
     async def _beat_logged(self) -> None:
         try:
@@ -84,6 +96,8 @@ class Heartbeat:
 
     async def stop(self) -> None:
         """Stop beating and remove this worker from the index at once (a clean exit)."""
+        await self._toucher.stop()
+        self._alive_file.unlink(missing_ok=True)
         await self._beater.stop()
         record = self._snapshot()
         try:
