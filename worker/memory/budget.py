@@ -17,6 +17,7 @@ from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
 from vramguard.worker.memory.accounting import MemoryAccounting, SimAccounting, open_accounting
 from vramguard.worker.memory.ledger import DeviceLedger, PlacementError, ledger_dir
+from vramguard.worker.memory.oom import CudaContextLost
 from vramguard.worker.memory.plan import (
     Fit,
     MemoryPlanError,
@@ -318,8 +319,6 @@ def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: flo
 def warm_up_within(warm_up: Callable[[], None], accounting: MemoryAccounting, budget_bytes: int, weights: int) -> None:
     """Run the warmup under the cap. Raises MemoryPlanError when it runs out of memory even one item
     at a time (the budget cannot hold the model: a placement problem, not a lost context)."""
-    from vramguard.worker.batch.execute import CudaContextLost
-
     try:
         warm_up()
     except CudaContextLost as exc:

@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m vramguard.worker.
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
-    from vramguard.worker.batch.execute import CudaContextLost
+    from vramguard.worker.memory.oom import CudaContextLost
 
     try:
         result = profile(settings, args.total_bytes, args.share, progress=not args.json)
