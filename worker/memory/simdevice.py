@@ -155,7 +155,7 @@ class SimDevice:
             return Block(self._nothing, 0)
         with self._lock:
             reason: list[str] = []
-            block = self.alloc.malloc(nbytes, lambda size: self._device_malloc(size, reason))
+            block = self.alloc.malloc(nbytes, lambda size, checked: self._device_malloc(size, checked, reason))
             if block is None:
                 raise self._oom(nbytes, reason[-1] if reason else "no memory")
             self._live.setdefault(nbytes, []).append(block)
@@ -223,10 +223,11 @@ class SimDevice:
     def _requested(self, block: Block) -> int:
         return next((n for n, blocks in self._live.items() if block in blocks), -1)
 
-    def _device_malloc(self, size: int, reason: list[str]) -> bool:
-        """cudaMalloc of a new segment: the per-process fraction first (the allocator's own check),
-        then the GPU's free memory. Records the new reserved bytes in the ledger."""
-        if self.alloc.reserved + size > self.limit_bytes:
+    def _device_malloc(self, size: int, checked: int, reason: list[str]) -> bool:
+        """cudaMalloc of a new segment (or the pages an expandable segment maps) of `size` bytes:
+        the per-process fraction first, on `checked` bytes (the request's alloc_size, the allocator's
+        own check), then the GPU's free memory on `size`. Records the new reserved bytes in the ledger."""
+        if self.alloc.reserved + checked > self.limit_bytes:
             reason.append(f"a limit of {self.limit_bytes / MIB:.2f} MiB for this process's allocator "
                           f"({self.alloc.reserved / MIB:.2f} MiB reserved)")
             return False
