@@ -361,7 +361,7 @@ def start_budget(
     share = settings.effective_memory_share
     if register and accounting.kind != "cpu":
         try:
-            share = check_free_memory(accounting, settings, share)
+            share = check_free_memory(accounting, settings, share, ledger)
         except PlacementError:
             if ledger is not None:
                 ledger.release()  # a worker that does not start holds no share
@@ -385,4 +385,6 @@ def start_budget(
     if total_bytes is None:
         accounting.limit_fraction(plan.memory_fraction)
     accounting.reset_peak()
+    if ledger is not None and not isinstance(accounting, SimAccounting):  # the simulator records it itself
+        ledger.record_held(accounting.reserved_bytes(), accounting.context_bytes())
     return MemoryBudget(plan, accounting, success_run=settings.adaptive_success_run)
