@@ -101,6 +101,8 @@ class SimKVBatch:
 class SyntheticLMBackend:
     """See the module docstring. Params: DEFAULTS' keys."""
 
+    simulates_memory = True  # on "sim" it declares its memory itself: no allocation mirror (worker/memory/mirror.py)
+
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         unknown = set(config.params) - set(DEFAULTS)
         if unknown:

@@ -15,6 +15,7 @@ from pathlib import Path
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
+from vramguard.worker.memory import mirror
 from vramguard.worker.memory.accounting import MemoryAccounting, SimAccounting, open_accounting
 from vramguard.worker.memory.ledger import DeviceLedger, PlacementError, ledger_dir
 from vramguard.worker.memory.oom import CudaContextLost
@@ -301,12 +302,16 @@ def cap_allocator(accounting: MemoryAccounting, budget_bytes: int) -> int:
 def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: float) -> int:
     """backend.load() under the cap; returns the weights' bytes: allocated after - before, or the
     segments they keep reserved once the cache is emptied when that is more (a weight of 8 MiB
-    holds a 20 MiB segment). Raises MemoryPlanError when they do not fit the share."""
+    holds a 20 MiB segment). On the simulated GPU, parameters and buffers the allocation mirror did not
+    see made are adopted where they live (worker/memory/mirror.py). Raises MemoryPlanError when they
+    do not fit the share."""
     import torch
 
     before, reserved_before = accounting.allocated_bytes(), accounting.reserved_bytes()
     try:
         backend.load()
+        if (active := mirror.active()) is not None:
+            active.adopt_modules()
     except torch.cuda.OutOfMemoryError:
         raise MemoryPlanError(
             f"the weights do not fit: out of device memory while loading them (device {accounting.total_bytes()} "
@@ -349,12 +354,27 @@ def start_budget(
     does not have it free, MemoryPlanError when the weights or one item do not fit; what else
     backend.load raises.
     """
-    from vramguard.worker.memory.freemem import check_free_memory
-
     folder = ledger_dir(settings.device_ledger_dir)
-    accounting = open_accounting(backend.device, settings.sim_memory_bytes, settings.cuda_visible_devices, folder,
+    device = "sim" if settings.device == "sim" or backend.device == "sim" else backend.device
+    accounting = open_accounting(device, settings.sim_memory_bytes, settings.cuda_visible_devices, folder,
                                  sim_context_bytes=settings.sim_context_bytes,
                                  sim_module_bytes=settings.sim_module_bytes)
+    if isinstance(accounting, SimAccounting) and backend.device != "sim":  # a real model on the simulated GPU
+        mirror.install(accounting.device)
+    else:
+        mirror.uninstall()
+    with mirror.scope():
+        return _start(backend, settings, config, accounting, folder, warm_up=warm_up, total_bytes=total_bytes,
+                      on_step=on_step, register=register)
+
+
+def _start(
+    backend: ModelBackend, settings: Settings, config: ModelConfig, accounting: MemoryAccounting, folder: Path, *,
+    warm_up: Callable[[], None], total_bytes: int | None, on_step: Callable[[], None], register: bool,
+) -> MemoryBudget:
+    """start_budget's steps once the accounting is open (and, on the simulated GPU, mirrored)."""
+    from vramguard.worker.memory.freemem import check_free_memory
+
     ledger = device_ledger(accounting, folder) if register else None
     if ledger is not None:
         ledger.register_share(settings.effective_memory_share, settings.watermark)

@@ -74,7 +74,7 @@ def profile(settings: Settings, total_bytes: int | None, shares: list[float] | N
         raise ValueError(f"shares {shares} add up to {sum(shares):.4g}, more than the watermark {settings.watermark}")
     backend = build_backend(settings)
     config = settings.model_config_for(settings.model)
-    if total_bytes and backend.device == "sim":
+    if total_bytes and settings.device == "sim":
         settings = settings.model_copy(update={"sim_memory_bytes": total_bytes})
 
     def warm_up() -> None:

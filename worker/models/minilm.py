@@ -35,8 +35,6 @@ class MiniLMBackend:
     def __init__(self, config: ModelConfig, device: str, settings: Settings | None = None) -> None:
         if config.params:
             raise ValueError(f"minilm takes no params, got {sorted(config.params)}")
-        if device == "sim":
-            raise ValueError("minilm runs on cuda or cpu; the simulated device is for the synthetic model")
         self.device = device
         self._model: SentenceTransformer | None = None
         self._extra_features: dict[str, object] = {}  # non-tensor features preprocess adds ("modality")
