@@ -66,7 +66,7 @@ def test_the_simulated_peak_covers_the_cpu_peak_within_2x(model: str, items: int
     active = mirror.active()
     assert active is not None
     with active.scope():
-        active.adopt_modules()
+        active.adopt_modules(backend)
         sim_device.reset_peak_memory_stats()
         backend.forward(backend.collate(batch_items))
     sim_peak = sim_device.max_memory_reserved()

@@ -311,7 +311,7 @@ def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: flo
     try:
         backend.load()
         if (active := mirror.active()) is not None:
-            active.adopt_modules()
+            active.adopt_modules(backend)
     except torch.cuda.OutOfMemoryError:
         raise MemoryPlanError(
             f"the weights do not fit: out of device memory while loading them (device {accounting.total_bytes()} "

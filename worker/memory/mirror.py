@@ -29,6 +29,7 @@ from __future__ import annotations
 import gc
 import math
 import threading
+import types
 import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -104,14 +105,14 @@ class AllocationMirror:
                 del self._table[pointer]
         self.device.release_later(entry.block)
 
-    def adopt_modules(self) -> int:
-        """Mirror every parameter and buffer of every live nn.Module not mirrored yet (weights a
-        checkpoint loader assigned without an op the mode saw). Returns the bytes adopted."""
+    def adopt_modules(self, root: object) -> int:
+        """Mirror every parameter and buffer not mirrored yet of the nn.Modules that `root` (the
+        backend) holds, however deep: weights a checkpoint loader assigned without an op the mode
+        saw. Returns the bytes adopted."""
         before = self.device.memory_allocated()
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no lazy-module proxy is woken
-                for tensor in [*obj.parameters(recurse=False), *obj.buffers(recurse=False)]:
-                    self.track(tensor.detach())
+        for module in _modules_under(root):
+            for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+                self.track(tensor.detach())
         return self.device.memory_allocated() - before
 
     def workspace_bytes(self, name: str, args: tuple[Any, ...], outputs: list[torch.Tensor]) -> int:
@@ -142,6 +143,33 @@ class AllocationMirror:
                 yield
         finally:
             self._depth.n = 0
+
+
+_WALK_LIMIT = 1_000_000  # objects visited from a backend at most: a bound, never reached by a model
+
+
+def _modules_under(root: object) -> list[torch.nn.Module]:
+    """The nn.Modules reachable from `root` through containers and instance attributes (gc's
+    referents), submodules included; modules, classes and functions are not walked into."""
+    found: list[torch.nn.Module] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack and len(seen) < _WALK_LIMIT:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if issubclass(type(obj), torch.nn.Module):  # type(), not isinstance: no lazy proxy is woken
+            for module in obj.modules():  # type: ignore[attr-defined]
+                if module is obj or id(module) not in seen:
+                    seen.add(id(module))
+                    found.append(module)
+            continue
+        if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes,
+                            int, float, torch.Tensor)):
+            continue
+        stack.extend(gc.get_referents(obj))
+    return found
 
 
 class _MirrorMode(TorchDispatchMode):  # type: ignore[no-untyped-call]
