@@ -19,3 +19,4 @@ def test_the_budget_imports_nothing_of_the_batch_room() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["[]", "True"], done.stdout
+
