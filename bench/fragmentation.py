@@ -5,9 +5,11 @@ GPU, fed batches of random size from bench/corpus.txt (a few words to a paragrap
 without expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, modelled in
 worker/memory/simalloc.py). It reports the allocator cap, the highest reserved memory, the highest
 allocated, what the allocator held beyond the allocated peak (fragmentation and cache), and OOM
-events.
+events. With --model minilm the real model runs instead, on the CPU, its own allocations mirrored
+into the simulated allocator (worker/memory/mirror.py), inside a share of 0.4 of 512 MiB (its
+weights and cuBLAS's workspace would not fit 0.25).
 
-    python -m bench.fragmentation [--forwards 20000] [--seed 0]
+    python -m bench.fragmentation [--forwards 20000] [--seed 0] [--model encoder|minilm]
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import json
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from bench.corpus import CORPUS_PATH
 from vramguard.shared.models import ModelConfig, ModelOverrides
 from vramguard.shared.settings import Settings
 from vramguard.worker.batch.execute import run_batch
-from vramguard.worker.memory.budget import start_budget
+from vramguard.worker.memory import mirror
+from vramguard.worker.memory.budget import MemoryBudget, start_budget
 from vramguard.worker.memory.simdevice import Block, SimDevice
+from vramguard.worker.models import create_backend
 from vramguard.worker.models.synthetic import SyntheticBackend
 
 MIB = 1024 * 1024
@@ -86,33 +90,39 @@ def _layer(sim: SimDevice, x: Block, b: int, t: int) -> Block:
     return out
 
 
-def run(expandable: bool, forwards: int, seed: int = 0) -> dict[str, object]:
-    """Plan the encoder in its share, then serve `forwards` random batches of corpus lines.
-    Returns the figures (bytes, counts)."""
+def run(expandable: bool, forwards: int, seed: int = 0, model: str = "encoder") -> dict[str, object]:
+    """Plan the encoder (or the real minilm, mirrored) in its share, then serve `forwards` random
+    batches of corpus lines. Returns the figures (bytes, counts)."""
     previous = os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if expandable:
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     try:
-        return _serve(forwards, seed)
+        return _serve_minilm(forwards, seed) if model == "minilm" else _serve(forwards, seed)
     finally:
         os.environ.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if previous is not None:
             os.environ["PYTORCH_CUDA_ALLOC_CONF"] = previous
 
 
-def _serve(forwards: int, seed: int) -> dict[str, object]:
-    params = {"weights_mib": 0, "fixed_mib": 0, "item_mib": 0, "max_tokens": WINDOW}
-    settings = Settings(model="synthetic", sim_memory_bytes=512 * MIB, memory_share=0.25,
-                        models={"synthetic": ModelOverrides(max_batch_size=MAX_BATCH, params=params)})
-    config = settings.model_config_for("synthetic")
-    backend = SimEncoder(ModelConfig(params=params), "sim", settings)
-    budget = start_budget(backend, settings, config, register=False)
+def _serve_minilm(forwards: int, seed: int) -> dict[str, object]:
+    settings = Settings(model="minilm", device="sim", sim_memory_bytes=512 * MIB, memory_share=0.4,
+                        models={"minilm": ModelOverrides(max_batch_size=MAX_BATCH)})
+    config = settings.model_config_for("minilm")
+    backend = create_backend(settings, "sim")
+    budget = start_budget(backend, settings, config, register=False,
+                          warm_up=lambda: run_batch(backend, backend.decode(backend.example_inputs(), {}), MAX_BATCH))
+    return _figures(budget, lambda items: run_batch(backend, backend.decode(items, {}), MAX_BATCH, budget=budget),
+                    forwards, seed)
+
+
+def _figures(budget: MemoryBudget, serve: Callable[[list[object]], object], forwards: int,
+             seed: int) -> dict[str, object]:
     lines = CORPUS_PATH.read_text().splitlines()
     rng = random.Random(seed)
     started = time.monotonic()
-    for _ in range(forwards):
-        items = [rng.choice(lines) for _ in range(rng.randint(1, MAX_BATCH))]
-        run_batch(backend, items, MAX_BATCH, budget=budget)
+    with mirror.scope():  # as the worker's model threads run every call (a no-op for the encoder)
+        for _ in range(forwards):
+            serve([rng.choice(lines) for _ in range(rng.randint(1, MAX_BATCH))])
     device = budget.accounting.device  # type: ignore[attr-defined]
     return {
         "expandable_segments": device.alloc.expandable_segments, "forwards": forwards,
@@ -125,13 +135,24 @@ def _serve(forwards: int, seed: int) -> dict[str, object]:
     }
 
 
+def _serve(forwards: int, seed: int) -> dict[str, object]:
+    params = {"weights_mib": 0, "fixed_mib": 0, "item_mib": 0, "max_tokens": WINDOW}
+    settings = Settings(model="synthetic", sim_memory_bytes=512 * MIB, memory_share=0.25,
+                        models={"synthetic": ModelOverrides(max_batch_size=MAX_BATCH, params=params)})
+    config = settings.model_config_for("synthetic")
+    backend = SimEncoder(ModelConfig(params=params), "sim", settings)
+    budget = start_budget(backend, settings, config, register=False)
+    return _figures(budget, lambda items: run_batch(backend, items, MAX_BATCH, budget=budget), forwards, seed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forwards", type=int, default=20000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", choices=("encoder", "minilm"), default="encoder")
     args = parser.parse_args()
     for expandable in (False, True):
-        result = run(expandable, args.forwards, args.seed)
+        result = run(expandable, args.forwards, args.seed, args.model)
         print(json.dumps(result))
         mib = {k: round(v / MIB, 1) for k, v in result.items() if k.endswith("_bytes") and isinstance(v, int)}
         print(f"expandable_segments={expandable}: {mib} oom_events={result['oom_events']}")

@@ -8,6 +8,10 @@ simulated device).
         per worker of one GPU: NVML's per-process used memory vs share x total, max reserved vs
         the allocator cap, the plan's numbers, OOM events; the budgets vs watermark x total;
         PASS/FAIL per check (with --sim-ledger: a simulated GPU's ledger instead of NVML)
+    python scripts/gpu_check.py calibrate [--models minilm,efficientnet,smollm2] [--batches 1,8,32] [--tokens 128]
+        per shipped model and batch size: the simulated GPU's prediction (the model on the CPU, its
+        allocations mirrored: worker/memory/mirror.py) beside CUDA's max_memory_reserved and NVML's
+        per-process used memory for the same batch; CUDA's columns are "-" without a GPU
 """
 
 from __future__ import annotations
@@ -161,6 +165,103 @@ def report(url: str, model: str, expected: int, gpu: str, sim_ledger: Path | Non
     return print_checks(check_workers(beats, used, expected))
 
 
+MIB = 1024 * 1024
+CALIBRATION_COLUMNS = ("model", "batch", "tokens", "sim reserved MiB", "sim used MiB", "cuda max reserved MiB",
+                       "nvml process MiB", "sim / cuda")
+
+
+def calibration_row(model: str, batch: int, tokens: int, sim: tuple[int, int],
+                    cuda: tuple[int, int | None] | None) -> dict[str, object]:
+    """One line of the calibration table. `sim`: (max reserved, reserved + outside the allocator) of
+    the simulated GPU for the batch, bytes; `cuda`: (torch.cuda.max_memory_reserved, NVML's used
+    memory of the process or None where NVML does not list it), bytes, or None without a GPU."""
+    row: dict[str, object] = {"model": model, "batch": batch, "tokens": tokens,
+                              "sim reserved MiB": round(sim[0] / MIB, 1), "sim used MiB": round(sim[1] / MIB, 1),
+                              "cuda max reserved MiB": "-", "nvml process MiB": "-", "sim / cuda": "-"}
+    if cuda is not None:
+        reserved, nvml = cuda
+        row["cuda max reserved MiB"] = round(reserved / MIB, 1)
+        row["nvml process MiB"] = round(nvml / MIB, 1) if nvml is not None else "-"
+        row["sim / cuda"] = round(sim[0] / reserved, 2) if reserved else "-"
+    return row
+
+
+def render_calibration(rows: list[dict[str, object]]) -> str:
+    """The rows as an aligned text table, CALIBRATION_COLUMNS in order."""
+    cells = [list(CALIBRATION_COLUMNS)] + [[str(row[c]) for c in CALIBRATION_COLUMNS] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(CALIBRATION_COLUMNS))]
+    return "\n".join("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)) for line in cells)
+
+
+def _batch(backend: object, batch: int, tokens: int) -> list[object]:
+    cost = min(tokens, int(getattr(backend, "max_item_cost", 1)))
+    return [backend.sample_item(cost) for _ in range(batch)]  # type: ignore[attr-defined]
+
+
+def measure_sim(model: str, batches: list[int], tokens: int) -> list[tuple[int, int]]:
+    """Per batch size: (max reserved, reserved + outside) bytes of a simulated GPU that the model,
+    run on the CPU, is mirrored into (weights adopted, then one forward per batch from an emptied cache)."""
+    from vramguard.shared.settings import Settings
+    from vramguard.worker.memory import mirror
+    from vramguard.worker.memory.simdevice import SimDevice
+    from vramguard.worker.models import create_backend
+
+    settings = Settings(model=model, device="sim")
+    device = SimDevice(64 * 1024 * MIB, context_bytes=settings.sim_context_bytes,
+                       module_bytes=settings.sim_module_bytes)
+    active = mirror.install(device)
+    try:
+        backend = create_backend(settings, "sim")
+        out = []
+        with active.scope():
+            backend.load()
+            active.adopt_modules(backend)
+            for size in batches:
+                device.empty_cache()
+                device.reset_peak_memory_stats()
+                backend.forward(backend.collate(_batch(backend, size, tokens)))
+                out.append((device.max_memory_reserved(), device.max_memory_reserved() + device.outside_bytes))
+        return out
+    finally:
+        mirror.uninstall()
+
+
+def measure_cuda(model: str, batches: list[int], tokens: int) -> list[tuple[int, int | None]] | None:
+    """Per batch size: (torch.cuda.max_memory_reserved, NVML's used memory of this process) bytes
+    after one forward from an emptied cache; None without a GPU."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from vramguard.shared.settings import Settings
+    from vramguard.worker.models import create_backend
+
+    backend = create_backend(Settings(model=model, device="cuda"), "cuda")
+    backend.load()
+    out: list[tuple[int, int | None]] = []
+    for size in batches:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        backend.forward(backend.collate(_batch(backend, size, tokens)))
+        torch.cuda.synchronize()
+        nvml = nvml_used_by_pid(os.environ.get("CUDA_VISIBLE_DEVICES", "0") or "0").get(os.getpid())
+        out.append((int(torch.cuda.max_memory_reserved()), nvml))
+    return out
+
+
+def calibrate(models: list[str], batches: list[int], tokens: int) -> list[dict[str, object]]:
+    """The calibration rows of every model and batch size (simulated, and CUDA's where there is a GPU)."""
+    rows = []
+    for model in models:
+        sim = measure_sim(model, batches, tokens)
+        cuda = measure_cuda(model, batches, tokens)
+        for i, size in enumerate(batches):
+            rows.append(calibration_row(model, size, tokens, sim[i], cuda[i] if cuda is not None else None))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,8 +278,16 @@ def main() -> None:
     check.add_argument("--workers", type=int, required=True)
     check.add_argument("--gpu", default="0")
     check.add_argument("--sim-ledger", type=Path, help="read a simulated GPU's ledger instead of NVML")
+    calib = sub.add_parser("calibrate")  # the simulated prediction beside CUDA's and NVML's
+    calib.add_argument("--models", default="minilm,efficientnet,smollm2")
+    calib.add_argument("--batches", default="1,8,32")
+    calib.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
-    if args.command == "resnet":
+    if args.command == "calibrate":
+        rows = calibrate(args.models.split(","), [int(b) for b in args.batches.split(",")], args.tokens)
+        print(render_calibration(rows))
+        print(json.dumps(rows))
+    elif args.command == "resnet":
         from vramguard.worker.memory.profile import render_table
 
         result = profile_resnet(args.total_bytes, args.cap)

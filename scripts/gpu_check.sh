@@ -9,7 +9,10 @@
 #      share x total, max reserved vs the allocator cap, the plan's numbers, OOM events, lost requests;
 #   2. three minilm workers on GPU 0 whose shares add up to the watermark: the same checks;
 #   3. one of the three SIGKILLed under load and restarted by supervisor: no request lost, and the
-#      same checks once it is back.
+#      same checks once it is back;
+#   4. the calibration table: per shipped model and batch size, the simulated GPU's prediction (the
+#      model on the CPU, its allocations mirrored) beside CUDA's max_memory_reserved and NVML's
+#      per-process figure (a table to read, not a check).
 # Prints PASS/FAIL per check and "gpu_check: PASS" or "gpu_check: FAIL" last; exits 1 on any FAIL.
 # Usage: scripts/gpu_check.sh   (PYTHON=..., PORT=8765, REDIS_PORT=6391, N=500 override)
 set -uo pipefail
@@ -86,6 +89,9 @@ if run_stack "2. three minilm workers on GPU 0, shares adding up to the watermar
     check 3
 fi
 stop_stack
+echo "== 4. calibration: the simulated prediction beside CUDA's max_memory_reserved and NVML's per-process figure"
+timeout 600 "$PY" scripts/gpu_check.py calibrate --models "${CALIBRATE_MODELS:-minilm,efficientnet,smollm2}" \
+    --batches "${CALIBRATE_BATCHES:-1,8,32}" || echo "calibration did not finish (not a check)"
 echo "== took $(( $(date +%s) - started )) s"
 if [ $FAILED = 0 ]; then echo "gpu_check: PASS"; else echo "gpu_check: FAIL"; fi
 exit $FAILED

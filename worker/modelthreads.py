@@ -21,8 +21,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
+from vramguard.worker.memory import mirror
+
 P = ParamSpec("P")
 T = TypeVar("T")
+
+
+def _mirrored(fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
+    """`fn` inside the device's allocation mirror (worker/memory/mirror.py; a no-op off the
+    simulated device), so that what the model allocates on these threads is what the device sees."""
+    with mirror.scope():
+        return fn(*args, **kwargs)
 
 
 class ModelThreads:
@@ -36,7 +45,7 @@ class ModelThreads:
     async def run(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> T:
         """`fn(*args, **kwargs)` on a model thread; its result, or what it raised."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args, **kwargs))
+        return await loop.run_in_executor(self._pool, functools.partial(_mirrored, fn, *args, **kwargs))
 
     def close(self) -> None:
         """Take no more calls; threads finish what they run and end (not waited for here)."""

@@ -41,7 +41,7 @@ from vramguard.worker.backend import ModelBackend
 from vramguard.worker.batch.batch_errors import answer_internal_error
 from vramguard.worker.batch.batcher import Batcher, Slice
 from vramguard.worker.batch.entries import PackLedger, stream_ids
-from vramguard.worker.batch.execute import CudaContextLost, run_batch
+from vramguard.worker.batch.execute import run_batch
 from vramguard.worker.batch.reclaim import Reclaimer, Suspect
 from vramguard.worker.batch.serve import BatchServer
 from vramguard.worker.exitcode import ExitCode
@@ -51,6 +51,7 @@ from vramguard.worker.health.heartbeat import Heartbeat, WorkerStats
 from vramguard.worker.health.watchdog import Watchdog
 from vramguard.worker.memory.budget import MemoryBudget, MemoryPlanError, start_budget
 from vramguard.worker.memory.ledger import PlacementError
+from vramguard.worker.memory.oom import CudaContextLost
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.models import BackendContractError, check_output
 from vramguard.worker.modelthreads import ModelThreads

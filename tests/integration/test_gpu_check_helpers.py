@@ -66,3 +66,41 @@ async def test_load_and_report_pass_on_two_simulated_workers(stack: Stack, tmp_p
     lines = report.stdout.splitlines()
     assert report.returncode == 0 and len(lines) == 8 and all(line.startswith("PASS") for line in lines), report.stdout
     assert sum("check-0" in line for line in lines) == 3 and "budgets <= watermark x total" in lines[-1]
+
+
+def _gpu_check_module():  # type: ignore[no-untyped-def]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gpu_check  # type: ignore[import-not-found]
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    return gpu_check
+
+
+def test_the_calibration_table_puts_the_simulation_beside_cuda_and_nvml() -> None:
+    """calibration_row / render_calibration: MiB to one decimal, the ratio sim / CUDA reserved, "-"
+    for what a machine cannot tell (no GPU; NVML hiding the process)."""
+    gpu_check = _gpu_check_module()
+    rows = [gpu_check.calibration_row("minilm", 8, 128, (160 * MIB, 172 * MIB), (128 * MIB, 600 * MIB)),
+            gpu_check.calibration_row("minilm", 32, 128, (200 * MIB, 212 * MIB), (200 * MIB, None)),
+            gpu_check.calibration_row("smollm2", 1, 128, (600 * MIB, 612 * MIB), None)]
+    assert rows[0]["sim / cuda"] == 1.25 and rows[0]["nvml process MiB"] == 600.0
+    assert rows[1]["nvml process MiB"] == "-" and rows[1]["sim / cuda"] == 1.0
+    assert rows[2]["cuda max reserved MiB"] == "-" and rows[2]["sim / cuda"] == "-"
+    lines = gpu_check.render_calibration(rows).splitlines()
+    assert lines[0].split() == ["model", "batch", "tokens", "sim", "reserved", "MiB", "sim", "used", "MiB", "cuda",
+                                "max", "reserved", "MiB", "nvml", "process", "MiB", "sim", "/", "cuda"]
+    assert lines[1].split() == ["minilm", "8", "128", "160.0", "172.0", "128.0", "600.0", "1.25"]
+    assert len({len(line) for line in lines}) == 1  # aligned
+
+
+@pytest.mark.slow
+def test_the_calibration_runs_its_simulated_part_without_a_gpu() -> None:
+    """gpu_check.py calibrate on this machine: minilm at batch sizes 1 and 4, the simulated columns
+    filled (more for the larger batch), CUDA's "-"."""
+    done = gpu_check("calibrate", "--models", "minilm", "--batches", "1,4", "--tokens", "64")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["batch"] for r in rows] == [1, 4]
+    assert 0 < rows[0]["sim reserved MiB"] <= rows[1]["sim reserved MiB"] < rows[1]["sim used MiB"], rows
+    assert all(r["cuda max reserved MiB"] == "-" for r in rows), rows

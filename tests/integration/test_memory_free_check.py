@@ -3,15 +3,19 @@ already uses is not an empty GPU, whatever the ledger of shares says."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
+from tests.memwatch import GpuWatch
 from vramguard.worker.memory.ledger import DeviceLedger
 from vramguard.worker.models import create_backend
 from vramguard.worker.runner import ExitCode, Worker
@@ -83,3 +87,56 @@ async def test_with_the_warning_setting_the_worker_plans_on_what_is_free(setting
     assert device.memory_reserved() + device.outside_bytes <= plan.budget_bytes
     free, total = device.mem_get_info()
     assert free >= 0 and total == SIM_BYTES
+
+
+@pytest.mark.slow
+async def test_shares_are_promises_the_third_worker_beside_a_tenant_is_refused(stack, tmp_path: Path) -> None:
+    """1. A tenant outside the ledger holds half of a 1000 MiB simulated GPU.
+    2. Two synthetic workers of share 0.24 start on it one after the other and serve; each holds
+       less than its share (its weights and cache, not its largest forwards yet).
+    3. A third worker of share 0.12 starts: the ledger's shares (0.6) allow it, and what is free
+       alone would cover its 120 MiB, but not beside the 480 MiB promised to the two.
+    Result: the two serve with 0 OOM events and the GPU never over its total; the third exits
+    STARTUP_FAILED naming what is free, what the two are promised and do not hold yet, and what it
+    needs, in bytes, with free >= needed > free - promised."""
+    total = 1000 * MIB
+    ledger = tmp_path / "ledger"
+    tenant = subprocess.Popen([sys.executable, "-c", TENANT, str(ledger), str(total), str(total // 2)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert tenant.stdout is not None and tenant.stdout.readline().strip() == "ready"
+        common = dict(model="synthetic", device="sim", sim_memory_bytes=total, device_ledger_dir=ledger,
+                      memory_share=0.24, environ={"CUDA_VISIBLE_DEVICES": "0"})
+        stack.start_gateway(served_models="synthetic")
+        with GpuWatch(ledger, "sim-0") as watch:
+            async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
+                for index in range(2):
+                    stack.start_worker(**common)  # type: ignore[arg-type]
+                    await stack.wait_ready(120)
+                    async def live(n: int = index + 1) -> bool:
+                        return await _live(client) == n
+
+                    await wait_until(live, 60)
+                    for value in range(20):
+                        response = await client.post("/v1/models/synthetic/infer", json={"inputs": [value]})
+                        assert response.status_code == 200, response.text
+                third = stack.start_worker(**{**common, "memory_share": 0.12})  # type: ignore[arg-type]
+                assert await asyncio.to_thread(third.wait, 120) == ExitCode.STARTUP_FAILED
+        log = (tmp_path / "worker-2.log").read_text()
+        free, promised, needed = (int(re.search(rf"\({name} (\d+) bytes\)", log).group(1))  # type: ignore[union-attr]
+                                  for name in ("free", "promised", "needed"))
+        assert needed == int(0.12 * total) and free >= needed > free - promised > 0, log[-2000:]
+        worker_logs = (tmp_path / "worker-0.log").read_text() + (tmp_path / "worker-1.log").read_text()
+        assert sum(int(n) for n in re.findall(r'"oom_events": (\d+)', worker_logs)) == 0
+        assert 0 < watch.max_used_bytes <= total and watch.max_over_cap_bytes <= 0, watch.summary()
+    finally:
+        tenant.kill()
+        tenant.communicate()
+
+
+async def _live(client: httpx.AsyncClient) -> int:
+    """Live workers of the synthetic model, as the gateway counts them (0 when it cannot tell)."""
+    try:
+        return int((await client.get("/v1/models/synthetic")).json()["live_workers"])
+    except (httpx.HTTPError, KeyError, ValueError):
+        return 0

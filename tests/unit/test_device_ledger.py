@@ -205,3 +205,19 @@ def test_concurrent_forwards_are_admitted_only_while_their_peaks_fit(tmp_path: P
         t.join(5)
     assert most[0] == 2 and running[0] == 0
     assert budget.max_concurrent_forwards == 2
+
+
+def test_promised_not_held_sums_what_the_others_registered_and_do_not_hold_yet(tmp_path: Path) -> None:
+    """Shares are promises (worker/memory/ledger.py): a neighbour of share 0.3 on a 1000 MiB GPU that
+    holds 100 MiB is still promised 200 MiB; one that holds more than its share is promised nothing;
+    this worker's own entry never counts."""
+    mib = 1024 * 1024
+    first, second, me = (DeviceLedger(tmp_path, "GPU-x") for _ in range(3))
+    first.register_share(0.3, 0.8)
+    first.record_held(90 * mib, 10 * mib)
+    second.register_share(0.1, 0.8)
+    second.record_held(120 * mib, 0)
+    me.register_share(0.2, 0.8)
+    assert me.promised_not_held(1000 * mib) == (int(0.3 * 1000 * mib) - 100 * mib, 1)
+    first.close()  # a dead worker's promise goes with it
+    assert me.promised_not_held(1000 * mib) == (0, 0)

@@ -153,3 +153,27 @@ def test_older_callers_release_by_size() -> None:
     assert dev.memory_allocated() == 8 * MIB
     with pytest.raises(ValueError, match="no live block of 3 bytes"):
         dev.release(3)
+
+
+def test_expandable_segments_check_the_whole_request_against_the_fraction() -> None:
+    """PyTorch's rule (c10/cuda/CUDACachingAllocator.cpp, DeviceCachingAllocator::alloc_block): with
+    a fraction set, `total_allocated_memory + p.alloc_size > allowed_memory_maximum` refuses before
+    try_allocate_expandable_block maps any page, alloc_size being the request's whole segment size
+    (get_allocation_size), not the pages still to map.
+    1. A 200 MiB device capped at 70 MiB with expandable segments holds 25 MiB: two 20 MiB pages
+       mapped (40 MiB), a free tail of 15 MiB.
+    2. A request of 32 MiB needs one more page only (60 MiB <= 70), but 40 + 32 > 70.
+       Result: refused, as PyTorch refuses it, and nothing is mapped.
+    3. The tail is filled; the cap lowered to 55 MiB; a request of 12 MiB passes (40 + 12 <= 55)
+       and maps a whole page. Result: 60 MiB reserved, over the cap by less than a page, as on CUDA."""
+    dev = SimDevice(200 * MIB, expandable_segments=True)
+    dev.set_per_process_memory_fraction(70 / 200)
+    dev.allocate(25 * MIB)
+    assert dev.memory_reserved() == 40 * MIB
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="a limit of 70.00 MiB"):
+        dev.allocate(32 * MIB)
+    assert dev.memory_reserved() == 40 * MIB
+    dev.allocate(15 * MIB)
+    dev.set_per_process_memory_fraction(55 / 200)
+    dev.allocate(12 * MIB)
+    assert dev.memory_reserved() == 60 * MIB

@@ -115,7 +115,8 @@ def check_gpus(sim_gpus: int) -> None:
     """Print each GPU and its free memory (or that there is none: workers run on the CPU), or the
     `sim_gpus` simulated ones that replace them."""
     if sim_gpus > 0:
-        print(f"{OK} gpus: {sim_gpus} simulated (VRAMGUARD_SIM_GPUS), for the synthetic model; this host's are unused")
+        print(f"{OK} gpus: {sim_gpus} simulated (VRAMGUARD_SIM_GPUS): models run on the CPU, their allocations "
+              "mirrored into each simulated GPU; this host's GPUs are unused")
         return
     found = gpu_memory(lambda line: print(f"{TROUBLE} gpus: {line}"))
     if not found:

@@ -187,35 +187,11 @@ def place(args: argparse.Namespace, settings: Settings, warn: Callable[[str], No
             if args.gpus and args.gpus != "all":
                 gpus = [gpu.visible_id for gpu in select_gpus(args.gpus, available, "--gpus")]
             models = [ModelPlacement(name=args.model, gpus=gpus, workers=args.workers_per_gpu)]
-        groups = plan(models, available, settings.watermark)
-        if settings.sim_gpus > 0:
-            refuse_on_simulated_gpus(groups, settings)
-        return groups
+        return plan(models, available, settings.watermark)
     except PlacementError as exc:
         refuse(str(exc))
     except ValidationError as exc:  # --workers-per-gpu out of range
         refuse("; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()))
-
-
-# The built-in backends that run on real devices only (cuda or cpu): each refuses the simulated
-# device at load, so a placement of one on simulated GPUs is refused here, before anything starts.
-REAL_DEVICE_BACKENDS = frozenset({
-    "vramguard.worker.models.minilm:MiniLMBackend",
-    "vramguard.worker.models.efficientnet:EfficientNetBackend",
-    "vramguard.worker.generate.causal_lm:CausalLMBackend",
-    "vramguard.worker.models.embedding:SentenceEmbeddingBackend",
-    "vramguard.worker.models.classifier:TextClassifierBackend",
-    "vramguard.worker.models.classifier:ImageClassifierBackend",
-})
-
-
-def refuse_on_simulated_gpus(groups: list[WorkerGroup], settings: Settings) -> None:
-    """Refuse (exit 2) a placement that puts a real-device model on simulated GPUs
-    (VRAMGUARD_SIM_GPUS): its workers would fail to load there."""
-    real = sorted({g.model for g in groups if settings.catalogue[g.model].backend in REAL_DEVICE_BACKENDS})
-    if real:
-        refuse(f"{', '.join(real)} cannot run on simulated GPUs (VRAMGUARD_SIM_GPUS={settings.sim_gpus}): they run "
-               "the synthetic model only; unset VRAMGUARD_SIM_GPUS to run on this host's GPUs or its CPU")
 
 
 def serve_backend(args: argparse.Namespace, env: dict[str, str], run_dir: Path) -> None:

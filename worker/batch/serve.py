@@ -31,12 +31,13 @@ from vramguard.worker.batch.batcher import Held, Slice
 from vramguard.worker.batch.costing import group_by_cost
 from vramguard.worker.batch.entries import Entry, PackLedger
 from vramguard.worker.batch.execlog import ExecutionLog
-from vramguard.worker.batch.execute import BatchStats, CudaContextLost, ItemResult, run_batch
+from vramguard.worker.batch.execute import BatchStats, ItemResult, run_batch
 from vramguard.worker.batch.publish import DeadLetter, Outgoing, publish_replies
 from vramguard.worker.health.hang import HangGuard
 from vramguard.worker.health.heartbeat import WorkerStats
 from vramguard.worker.health.watchdog import Watchdog
 from vramguard.worker.memory.budget import MemoryBudget
+from vramguard.worker.memory.oom import CudaContextLost
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 from vramguard.worker.spans import GroupTimes, plan_attributes, record_group, record_queued

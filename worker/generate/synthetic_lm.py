@@ -41,6 +41,8 @@ DEFAULTS = {"weights_mib": 64.0, "step_fixed_mib": 4.0, "step_token_kib": 64.0, 
 class SyntheticLMBackend:
     """See the module docstring. Params: DEFAULTS' keys."""
 
+    simulates_memory = True  # on "sim" it declares its memory itself: no allocation mirror (worker/memory/mirror.py)
+
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         params = dict(config.params)
         self._hold = StepHold(hold_path(settings.key_prefix, settings.model) if params.pop("hold_step", 0) else None)

@@ -20,8 +20,9 @@ from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.errors import ModelError, UnavailableError
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
-from vramguard.worker.batch.execute import ItemResult, is_oom
+from vramguard.worker.batch.execute import ItemResult
 from vramguard.worker.health.hang import HangGuard
+from vramguard.worker.memory.oom import is_oom
 from vramguard.worker.modelthreads import ModelThreads
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,12 @@ from pathlib import Path
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
 from vramguard.worker.backend import ModelBackend
+from vramguard.worker.memory import mirror
 from vramguard.worker.memory.accounting import MemoryAccounting, SimAccounting, open_accounting
 from vramguard.worker.memory.ledger import DeviceLedger, PlacementError, ledger_dir
+from vramguard.worker.memory.oom import CudaContextLost
 from vramguard.worker.memory.plan import (
+    AdaptiveCap,
     Fit,
     MemoryPlanError,
     Plan,
@@ -72,32 +75,6 @@ def measure_samples(
     if not samples:
         raise MemoryPlanError("even one item ran out of memory while measuring")
     return samples
-
-
-class AdaptiveCap:
-    """The worker's batch cap after OOMs: additive increase, multiplicative decrease (AIMD), the
-    rule of TCP congestion control (RFC 5681 section 3.1: halve the window on loss, grow it by
-    one segment per round trip without loss).
-
-    On an OOM in a forward of n items: cap = max(1, min(cap, n) // 2). After `success_run`
-    OOM-free forwards in a row: cap += 1, up to `ceiling` (the planned max_batch_size).
-    """
-
-    def __init__(self, ceiling: int, success_run: int) -> None:
-        self.ceiling = ceiling
-        self.success_run = success_run
-        self.value = ceiling
-        self._streak = 0
-
-    def on_oom(self, batch_size: int) -> None:
-        self.value = max(1, min(self.value, batch_size) // 2)
-        self._streak = 0
-
-    def on_success(self) -> None:
-        self._streak += 1
-        if self._streak >= self.success_run and self.value < self.ceiling:
-            self.value += 1
-            self._streak = 0
 
 
 class MemoryBudget:
@@ -303,12 +280,16 @@ def cap_allocator(accounting: MemoryAccounting, budget_bytes: int) -> int:
 def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: float) -> int:
     """backend.load() under the cap; returns the weights' bytes: allocated after - before, or the
     segments they keep reserved once the cache is emptied when that is more (a weight of 8 MiB
-    holds a 20 MiB segment). Raises MemoryPlanError when they do not fit the share."""
+    holds a 20 MiB segment). On the simulated GPU, parameters and buffers the allocation mirror did not
+    see made are adopted where they live (worker/memory/mirror.py). Raises MemoryPlanError when they
+    do not fit the share."""
     import torch
 
     before, reserved_before = accounting.allocated_bytes(), accounting.reserved_bytes()
     try:
         backend.load()
+        if (active := mirror.active()) is not None:
+            active.adopt_modules(backend)
     except torch.cuda.OutOfMemoryError:
         raise MemoryPlanError(
             f"the weights do not fit: out of device memory while loading them (device {accounting.total_bytes()} "
@@ -321,8 +302,6 @@ def load_weights(backend: ModelBackend, accounting: MemoryAccounting, share: flo
 def warm_up_within(warm_up: Callable[[], None], accounting: MemoryAccounting, budget_bytes: int, weights: int) -> None:
     """Run the warmup under the cap. Raises MemoryPlanError when it runs out of memory even one item
     at a time (the budget cannot hold the model: a placement problem, not a lost context)."""
-    from vramguard.worker.batch.execute import CudaContextLost
-
     try:
         warm_up()
     except CudaContextLost as exc:
@@ -353,19 +332,34 @@ def start_budget(
     does not have it free, MemoryPlanError when the weights or one item do not fit; what else
     backend.load raises.
     """
-    from vramguard.worker.memory.freemem import check_free_memory
-
     folder = ledger_dir(settings.device_ledger_dir)
-    accounting = open_accounting(backend.device, settings.sim_memory_bytes, settings.cuda_visible_devices, folder,
+    device = "sim" if settings.device == "sim" or backend.device == "sim" else backend.device
+    accounting = open_accounting(device, settings.sim_memory_bytes, settings.cuda_visible_devices, folder,
                                  sim_context_bytes=settings.sim_context_bytes,
                                  sim_module_bytes=settings.sim_module_bytes)
+    if isinstance(accounting, SimAccounting) and backend.device != "sim":  # a real model on the simulated GPU
+        mirror.install(accounting.device)
+    else:
+        mirror.uninstall()
+    with mirror.scope():
+        return _start(backend, settings, config, accounting, folder, warm_up=warm_up, total_bytes=total_bytes,
+                      on_step=on_step, register=register)
+
+
+def _start(
+    backend: ModelBackend, settings: Settings, config: ModelConfig, accounting: MemoryAccounting, folder: Path, *,
+    warm_up: Callable[[], None], total_bytes: int | None, on_step: Callable[[], None], register: bool,
+) -> MemoryBudget:
+    """start_budget's steps once the accounting is open (and, on the simulated GPU, mirrored)."""
+    from vramguard.worker.memory.freemem import check_free_memory
+
     ledger = device_ledger(accounting, folder) if register else None
     if ledger is not None:
         ledger.register_share(settings.effective_memory_share, settings.watermark)
     share = settings.effective_memory_share
     if register and accounting.kind != "cpu":
         try:
-            share = check_free_memory(accounting, settings, share)
+            share = check_free_memory(accounting, settings, share, ledger)
         except PlacementError:
             if ledger is not None:
                 ledger.release()  # a worker that does not start holds no share
@@ -389,4 +383,6 @@ def start_budget(
     if total_bytes is None:
         accounting.limit_fraction(plan.memory_fraction)
     accounting.reset_peak()
+    if ledger is not None and not isinstance(accounting, SimAccounting):  # the simulator records it itself
+        ledger.record_held(accounting.reserved_bytes(), accounting.context_bytes())
     return MemoryBudget(plan, accounting, success_run=settings.adaptive_success_run)

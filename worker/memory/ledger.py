@@ -172,6 +172,31 @@ class DeviceLedger:
             self.mine(record)["share"] = share
             return others
 
+    def promised_not_held(self, total_bytes: int) -> tuple[int, int]:
+        """What the other live workers registered here are promised and do not hold yet: the sum
+        over them of max(0, share x `total_bytes` - (reserved_bytes + outside_bytes)), in bytes,
+        and how many workers have such a remainder. What a worker holds comes from its entry: the
+        simulated device records it at every segment it takes or gives back, a CUDA worker when
+        its start is done (`record_held`); a figure that is stale because the worker grew since
+        counts as not held, so the sum errs on the side of more."""
+        promised, workers = 0, 0
+        with self.update() as record:
+            for entry, process in record["processes"].items():
+                if entry == self.entry_id:
+                    continue
+                held = int(process.get("reserved_bytes", 0)) + int(process.get("outside_bytes", 0))
+                rest = int(float(process.get("share", 0.0)) * total_bytes) - held
+                if rest > 0:
+                    promised, workers = promised + rest, workers + 1
+        return promised, workers
+
+    def record_held(self, reserved_bytes: int, outside_bytes: int) -> None:
+        """Record what this process holds on the device now (bytes: its allocator's reserved memory
+        and its memory outside the allocator), for the free-memory check of workers starting after it."""
+        with self.update() as record:
+            entry = self.mine(record)
+            entry["reserved_bytes"], entry["outside_bytes"] = int(reserved_bytes), int(outside_bytes)
+
     def release(self) -> None:
         """Drop this process's entry (a clean exit; a dead process's entry is dropped anyway)."""
         with self.update() as record:

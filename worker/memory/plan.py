@@ -227,3 +227,29 @@ def replan(plan: Plan, context_bytes: int) -> Plan:
         watermark=plan.watermark, memory_share=plan.memory_share, max_batch_size=plan.max_batch_size,
         max_inflight_batches=plan.inflight_batches,
     )
+
+
+class AdaptiveCap:
+    """The worker's batch cap after OOMs: additive increase, multiplicative decrease (AIMD), the
+    rule of TCP congestion control (RFC 5681 section 3.1: halve the window on loss, grow it by
+    one segment per round trip without loss).
+
+    On an OOM in a forward of n items: cap = max(1, min(cap, n) // 2). After `success_run`
+    OOM-free forwards in a row: cap += 1, up to `ceiling` (the planned max_batch_size).
+    """
+
+    def __init__(self, ceiling: int, success_run: int) -> None:
+        self.ceiling = ceiling
+        self.success_run = success_run
+        self.value = ceiling
+        self._streak = 0
+
+    def on_oom(self, batch_size: int) -> None:
+        self.value = max(1, min(self.value, batch_size) // 2)
+        self._streak = 0
+
+    def on_success(self) -> None:
+        self._streak += 1
+        if self._streak >= self.success_run and self.value < self.ceiling:
+            self.value += 1
+            self._streak = 0

@@ -78,7 +78,7 @@ def profile(settings: Settings, total_bytes: int | None, shares: list[float] | N
         raise ValueError(f"shares {shares} add up to {sum(shares):.4g}, more than the watermark {settings.watermark}")
     backend = build_backend(settings)
     config = settings.model_config_for(settings.model)
-    if total_bytes and backend.device == "sim":
+    if total_bytes and settings.device == "sim":
         settings = settings.model_copy(update={"sim_memory_bytes": total_bytes})
 
     def warm_up() -> None:
@@ -159,7 +159,7 @@ def _run(args: argparse.Namespace, overrides: dict[str, object], prog: str) -> i
         print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)
-    from vramguard.worker.batch.execute import CudaContextLost
+    from vramguard.worker.memory.oom import CudaContextLost
 
     try:
         result = profile(settings, args.total_bytes, args.share, progress=not args.json)

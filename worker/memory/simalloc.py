@@ -19,7 +19,13 @@ The rules, from c10/cuda/CUDACachingAllocator.cpp (PyTorch 2.x, DeviceCachingAll
   checks it; cached blocks are reused without any check).
 Expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), modelled: the large
 pool is one segment that grows by pages of kLargeBuffer at its end (its free tail is extended
-instead of a new segment being taken), and `empty_cache` unmaps the free pages at its end.
+instead of a new segment being taken), and `empty_cache` unmaps the free pages at its end. The
+per-process fraction is checked as `alloc_block` checks it before `try_allocate_expandable_block`
+maps anything: `total_allocated_memory + p.alloc_size > allowed_memory_maximum` refuses, where
+alloc_size is the whole request's segment size (`get_allocation_size`, as above), not the pages
+still to map. So a request is refused even when its free tail would need fewer new pages, and
+one that passes may map up to one page more than alloc_size: reserved can pass the cap by less
+than kLargeBuffer.
 PyTorch also unmaps whole free pages in the middle of the segment; the model keeps those mapped,
 so it overstates expandable segments' reserved memory a little, never understates it.
 """
@@ -80,9 +86,10 @@ class Block:
     live: bool = False
 
 
-# Asked to take `nbytes` more from the device; returns False when the device (or the
-# per-process fraction) refuses, as a failing cudaMalloc.
-DeviceMalloc = Callable[[int], bool]
+# Asked to map `nbytes` more on the device, for a request whose segment size (alloc_size, the
+# figure the per-process fraction is checked with) is the second argument; returns False when
+# the fraction or the device refuses, as a failing cudaMalloc.
+DeviceMalloc = Callable[[int, int], bool]
 
 
 class CachingAllocator:
@@ -159,7 +166,7 @@ class CachingAllocator:
         if self.expandable_segments and not is_small(size):
             return self._grow(size, device_malloc)
         nbytes = segment_size(size)
-        if not device_malloc(nbytes):
+        if not device_malloc(nbytes, nbytes):
             return None
         segment = Segment(nbytes, is_small(size))
         segment.blocks.append(Block(segment, nbytes))
@@ -181,7 +188,7 @@ class CachingAllocator:
         tail = segment.blocks[-1] if segment.blocks and not segment.blocks[-1].live else None
         have = tail.size if tail is not None else 0
         pages = LARGE_BUFFER * ((size - have + LARGE_BUFFER - 1) // LARGE_BUFFER)
-        if not device_malloc(pages):
+        if not device_malloc(pages, segment_size(size)):  # the whole request against the fraction
             if not segment.blocks:
                 self.segments.remove(segment)
             return None

@@ -32,6 +32,7 @@ returns it.
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,6 +73,7 @@ class SimDevice:
         self._live: dict[int, list[Block]] = {}  # requested bytes -> live blocks (release by size)
         self._lock = threading.RLock()
         self._nothing = Segment(0, small=True)  # the "segment" of empty allocations
+        self._pending: deque[Block] = deque()  # freed by finalizers (worker/memory/mirror.py), not yet applied
         if ledger is not None:
             with ledger.update() as record:
                 known = record.get("total_bytes")
@@ -94,9 +96,11 @@ class SimDevice:
         return self.context_bytes + (self.module_bytes if self.modules_loaded else 0)
 
     def memory_allocated(self) -> int:
+        self._drain()
         return self.alloc.allocated
 
     def memory_reserved(self) -> int:
+        self._drain()
         return self.alloc.reserved
 
     def max_memory_allocated(self) -> int:
@@ -106,12 +110,14 @@ class SimDevice:
         return self.alloc.max_reserved
 
     def reset_peak_memory_stats(self) -> None:
+        self._drain()
         with self._lock:
             self.alloc.peak = self.alloc.allocated
             self.alloc.max_reserved = self.alloc.reserved
 
     def empty_cache(self) -> None:
         """Give the segments with no live block back to the device (torch.cuda.empty_cache)."""
+        self._drain()
         with self._lock:
             if self.alloc.release_cached() and self.ledger is not None:
                 with self.ledger.update() as record:
@@ -136,6 +142,7 @@ class SimDevice:
     def processes(self) -> list[DeviceProcess]:
         """The processes on this GPU with their used memory, this one included (NVML's
         nvmlDeviceGetComputeRunningProcesses)."""
+        self._drain()
         mine = DeviceProcess(0, self.alloc.reserved + self.outside_bytes)
         if self.ledger is None:
             return [mine]
@@ -154,8 +161,9 @@ class SimDevice:
         if nbytes <= 0:  # PyTorch hands out a null pointer for an empty tensor: no block, no memory
             return Block(self._nothing, 0)
         with self._lock:
+            self._drain()
             reason: list[str] = []
-            block = self.alloc.malloc(nbytes, lambda size: self._device_malloc(size, reason))
+            block = self.alloc.malloc(nbytes, lambda size, checked: self._device_malloc(size, checked, reason))
             if block is None:
                 raise self._oom(nbytes, reason[-1] if reason else "no memory")
             self._live.setdefault(nbytes, []).append(block)
@@ -178,6 +186,19 @@ class SimDevice:
             if not blocks:
                 raise ValueError(f"no live block of {what} bytes to release")
             self.alloc.free(blocks.pop())
+
+    def release_later(self, block: Block) -> None:
+        """Free `block` at the device's next call, in the order frees arrived: for a finalizer,
+        which may run in the middle of an allocation on this very thread (a garbage collection)
+        and so must not touch the blocks then."""
+        self._pending.append(block)
+
+    def _drain(self) -> None:
+        if not self._pending:
+            return
+        with self._lock:
+            while self._pending:
+                self.release(self._pending.popleft())
 
     def fill(self) -> list[Block]:
         """Take every byte the allocator can still get (cached free blocks, then new segments up
@@ -223,10 +244,11 @@ class SimDevice:
     def _requested(self, block: Block) -> int:
         return next((n for n, blocks in self._live.items() if block in blocks), -1)
 
-    def _device_malloc(self, size: int, reason: list[str]) -> bool:
-        """cudaMalloc of a new segment: the per-process fraction first (the allocator's own check),
-        then the GPU's free memory. Records the new reserved bytes in the ledger."""
-        if self.alloc.reserved + size > self.limit_bytes:
+    def _device_malloc(self, size: int, checked: int, reason: list[str]) -> bool:
+        """cudaMalloc of a new segment (or the pages an expandable segment maps) of `size` bytes:
+        the per-process fraction first, on `checked` bytes (the request's alloc_size, the allocator's
+        own check), then the GPU's free memory on `size`. Records the new reserved bytes in the ledger."""
+        if self.alloc.reserved + checked > self.limit_bytes:
             reason.append(f"a limit of {self.limit_bytes / MIB:.2f} MiB for this process's allocator "
                           f"({self.alloc.reserved / MIB:.2f} MiB reserved)")
             return False

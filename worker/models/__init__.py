@@ -79,6 +79,10 @@ def create_backend(settings: Settings, device: str) -> ModelBackend:
     """
     spec = settings.spec_for(settings.model)
     cls = import_backend_class(spec)
+    if device == "sim" and not getattr(cls, "simulates_memory", False):
+        # A real model on the simulated GPU runs for real on the CPU; worker/memory/mirror.py mirrors
+        # its tensors into the simulated allocator (installed at start by worker/memory/budget.py).
+        device = "cpu"
     backend = cls(settings.model_config_for(settings.model), device, settings)
     if not isinstance(getattr(backend, "name", None), str) or not isinstance(getattr(backend, "device", None), str):
         raise BackendContractError(f"model {spec.name!r}: {spec.backend} instances need str attributes name and device")

@@ -74,8 +74,6 @@ class EfficientNetBackend:
     def __init__(self, config: ModelConfig, device: str, settings: Settings | None = None) -> None:
         if config.params:
             raise ValueError(f"efficientnet takes no params, got {sorted(config.params)}")
-        if device == "sim":
-            raise ValueError("efficientnet runs on cuda or cpu; the simulated device is for the synthetic model")
         self.device = device
         self._model: torch.nn.Module | None = None
         self.labels: list[str] = []

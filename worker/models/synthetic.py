@@ -60,6 +60,7 @@ class SyntheticBackend:
     output_dim (0: echo the input; N: a float32 row [N] per input)."""
 
     name = "synthetic"
+    simulates_memory = True  # on "sim" it declares its memory itself: no allocation mirror (worker/memory/mirror.py)
 
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         unknown = set(config.params) - KNOWN_PARAMS
