@@ -109,20 +109,27 @@ def load_backend() -> Any:
     return backend
 
 
+IN_PROCESS_TOKEN_BUDGET = 256
+
+
 def in_process(backend: Any, concurrency: int, max_tokens: int) -> Point:
     """The engine alone: `concurrency` sequences join at once and run `max_tokens` steps.
     Returns tokens_per_s (all sequences' tokens over the wall time) and ttft_median_ms."""
     from vramguard.worker.generate.engine import Engine
+    from vramguard.worker.generate.kvplan import DEFAULT_BLOCK_TOKENS
     from vramguard.worker.generate.sampling import SamplingParams
     from vramguard.worker.generate.sequence import Sequence
 
-    engine = Engine(backend)
+    prompts = [backend.prompt_ids(PROMPT.format(i=i), {}) for i in range(concurrency)]
+    # A pool that holds every sequence whole (no preemption: the engine's own speed), blocks of the
+    # worker's default size, and the token budget the worker's plan comes to on this CPU (222-256).
+    blocks = sum(-(-(len(ids) + max_tokens) // DEFAULT_BLOCK_TOKENS) for ids in prompts) + 1
+    engine = Engine(backend, backend.new_pool(blocks, DEFAULT_BLOCK_TOKENS), IN_PROCESS_TOKEN_BUDGET, concurrency)
     started = time.monotonic()
     seqs = []
-    for i in range(concurrency):
+    for i, ids in enumerate(prompts):
         seq = Sequence(request_id=str(i), entry_id=str(i), reply_to="", deadline_ms=0,  # type: ignore[arg-type]
-                       prompt_ids=backend.prompt_ids(PROMPT.format(i=i), {}), max_tokens=max_tokens,
-                       sampling=SamplingParams(0.0, 1.0, 0))
+                       prompt_ids=ids, max_tokens=max_tokens, sampling=SamplingParams(0.0, 1.0, 0))
         engine.add(seq)
         seqs.append(seq)
     first: dict[int, float] = {}
