@@ -174,7 +174,8 @@ def test_status_port_finds_the_stack_make_up_started_in_dot_run(vramguard: Calla
         assert done.returncode == 0, done
         assert done.stdout.startswith(f"status: supervisord pid {os.getpid()}, run folder {run_dir}, "), done
     done = vramguard("status", "--port", str(redis_port))  # the embedded Redis' port names no gateway
-    assert done.returncode == 3 and f"no stack runs in {tmp_path / 'state' / 'vramguard' / str(redis_port)}" in done.stdout
+    state_run_dir = tmp_path / "state" / "vramguard" / str(redis_port)
+    assert done.returncode == 3 and f"no stack runs in {state_run_dir}" in done.stdout, done
 
 
 def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],
