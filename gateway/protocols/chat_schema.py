@@ -21,6 +21,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError, from_json
 
 from vramguard.gateway.edge.checks import BadBodyError
+from vramguard.gateway.protocols.schemas import json_fault
 from vramguard.shared.errors import InvalidInputError
 
 MAX_MESSAGES = 256
@@ -156,7 +157,7 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
         # no tokenizer can encode, and answers nesting past its limit instead of RecursionError.
         data = from_json(raw, allow_inf_nan=False)  # NaN and Infinity are not JSON (RFC 8259)
     except ValueError as exc:
-        raise BadBodyError(f"body is not UTF-8 JSON: {exc}") from None
+        raise BadBodyError(f"body is not UTF-8 JSON: {json_fault(str(exc))}") from None
     if not isinstance(data, dict):
         raise BadBodyError("body must be a JSON object")
     allowed = CHAT_KEYS if kind == "chat" else TEXT_KEYS

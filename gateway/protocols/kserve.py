@@ -31,7 +31,7 @@ from vramguard.gateway.edge.checks import (
 from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of, submit
 from vramguard.gateway.protocols.openapi import error_responses, request_body
 from vramguard.gateway.protocols.render import FastJSONResponse
-from vramguard.gateway.protocols.schemas import check_wire_ints, jsonable
+from vramguard.gateway.protocols.schemas import check_wire_ints, json_fault, jsonable
 from vramguard.gateway.routes import has_api_key
 from vramguard.shared.errors import InvalidInputError, ModelNotFoundError, PayloadTooLargeError
 from vramguard.shared.models import InputKind, ModelSpec, TensorSpec
@@ -185,6 +185,8 @@ def _split_body(body: bytes, json_length: int) -> tuple[V2InferRequest, bytes]:
         parsed = V2InferRequest.model_validate_json(body[:json_length])
     except ValidationError as exc:
         first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            raise BadBodyError(f"body is not valid JSON: {json_fault(first['msg'])}") from exc
         where = ".".join(str(p) for p in first["loc"]) or "body"
         raise BadBodyError(f"{where}: {first['msg']}") from exc
     return parsed, body[json_length:]

@@ -25,7 +25,7 @@ from vramguard.gateway.inference import check_json_cost, inference_request, sett
 from vramguard.gateway.protocols.chat_schema import telling_error
 from vramguard.gateway.protocols.openapi import error_responses, request_body
 from vramguard.gateway.protocols.render import FastJSONResponse
-from vramguard.gateway.protocols.schemas import check_wire_ints
+from vramguard.gateway.protocols.schemas import check_wire_ints, json_fault
 from vramguard.shared.errors import InvalidInputError, PayloadTooLargeError, VramguardError
 from vramguard.shared.models import InputKind
 
@@ -123,7 +123,7 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
     except ValidationError as exc:
         first = telling_error(exc.errors())
         if first["type"] == "json_invalid":
-            raise BadBodyError(f"body is not valid JSON: {first['msg']}") from exc
+            raise BadBodyError(f"body is not valid JSON: {json_fault(first['msg'])}") from exc
         where = ".".join(str(p) for p in first["loc"][:1]) or "body"
         raise InvalidInputError(f"{where}: {first['msg']}") from exc
 

@@ -74,6 +74,18 @@ class ModelList(BaseModel):
     models: list[ModelInfo]
 
 
+def json_fault(detail: str) -> str:
+    """The JSON parser's complaint (line and column kept) as a client can act on it: without
+    pydantic's "Invalid JSON: " prefix, and with what a UTF-16 surrogate escape that is not half of
+    a pair (`"\\ud800"`, which no tokenizer can encode) means, which the parser's "unexpected end
+    of hex escape" does not say."""
+    detail = detail.removeprefix("Invalid JSON: ")
+    if "surrogate" in detail or "end of hex escape" in detail:
+        detail += (" (a \\uD800-\\uDFFF escape must be one half of a surrogate pair; a lone one is not text: "
+                   "send the character itself in UTF-8, or its pair of escapes)")
+    return detail
+
+
 def parse_infer_request(body: bytes) -> InferRequest:
     """Parse and validate a raw body. Raises BodyNotJsonError (400) or InvalidInputError (422),
     the latter also for an integer the wire cannot carry (outside WIRE_INT_MIN..WIRE_INT_MAX)."""
@@ -82,7 +94,7 @@ def parse_infer_request(body: bytes) -> InferRequest:
     except ValidationError as exc:
         first = exc.errors()[0]
         if first["type"] == "json_invalid":
-            raise BodyNotJsonError(f"body is not valid JSON: {first['msg']}") from exc
+            raise BodyNotJsonError(f"body is not valid JSON: {json_fault(first['msg'])}") from exc
         raise InvalidInputError(_summarise(exc)) from exc
     for i, value in enumerate(parsed.inputs):
         check_wire_ints(value, f"inputs[{i}]")

@@ -141,5 +141,8 @@ def test_down_without_a_port_stops_the_only_stack(started: Started) -> None:
     stopped = started.cli("down")
     assert stopped.returncode == 0 and f"stopped the stack in {started.run_dir}" in stopped.stdout, stopped
     started.proc.wait(timeout=60)  # the launcher has reaped supervisord
+    # the terminal of `up` says why it returned to the prompt, not only the ready banner
+    assert started.proc.returncode == 0, started.text()[-3000:]
+    assert started.text().rstrip().endswith(f"up: the stack in {started.run_dir} has stopped"), started.text()[-3000:]
     with pytest.raises(ProcessLookupError):
         os.kill(supervisord, 0)

@@ -259,3 +259,18 @@ async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: ht
         error = response.json()["error"]
         assert response.status_code == 400 and error["type"] == "invalid_request_error", (path, response.text)
         assert error["param"] is None and "JSON" in error["message"] and error["code"] == "invalid_input"
+        if b"\\ud" in body:  # the parser's "unexpected end of hex escape" alone does not say what is wrong
+            assert "surrogate pair" in error["message"], error["message"]
+
+
+async def test_a_lone_surrogate_is_named_on_the_native_and_v2_routes(gateway: httpx.AsyncClient) -> None:
+    """A UTF-16 surrogate escape that is not half of a pair: 400 saying so (with the parser's line and
+    column), not only the parser's "unexpected end of hex escape" behind "Invalid JSON: "."""
+    v2 = b'{"inputs": [{"name": "input", "shape": [1], "datatype": "BYTES", "data": ["\\ud800"]}]}'
+    for path, body in ((INFER, b'{"inputs": ["\\ud800"]}'), ("/v2/models/synthetic/infer", v2)):
+        response = await gateway.post(path, content=body, headers=JSON)
+        error = response.json()["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert response.status_code == 400, (path, response.text)
+        assert message.startswith("body is not valid JSON: unexpected end of hex escape at line 1"), message
+        assert "surrogate pair" in message and "Invalid JSON" not in message, message

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import re
@@ -153,6 +154,28 @@ def test_down_and_status_quote_the_run_folder_they_name(vramguard: Callable[...,
     assert done.returncode == code, done
     shown = done.stdout.removeprefix(f"{name}: no stack runs in ").strip()
     assert shlex.split(shown) == [str(run_dir)], done.stdout
+
+
+def test_status_port_finds_the_stack_make_up_started_in_dot_run(vramguard: Callable[..., Ran], tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`make up PORT=P` runs its stack in ./.run/P: `vramguard status --port P` (or VRAMGUARD_PORT=P)
+    shows that one, not "no stack runs" in the state dir; a port no stack's gateway has stays refused.
+    The stack's supervisord is stood in for by this test's own live process (its pid file, its saved
+    environment): `status` reads no more than that before it asks supervisorctl."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    port, redis_port = free_port(), free_port()
+    run_dir = tmp_path / ".run" / str(port)
+    run_dir.mkdir(parents=True)
+    (run_dir / "supervisord.pid").write_text(str(os.getpid()))
+    (run_dir / "stack.env").write_text(json.dumps({"VRAMGUARD_PORT": str(port), "VG_START_REDIS": "true",
+                                                   "VG_REDIS_PORT": str(redis_port)}))
+    for done in (vramguard("status", "--port", str(port)), vramguard("status", port=str(port))):
+        assert done.returncode == 0, done
+        assert done.stdout.startswith(f"status: supervisord pid {os.getpid()}, run folder {run_dir}, "), done
+    done = vramguard("status", "--port", str(redis_port))  # the embedded Redis' port names no gateway
+    state_run_dir = tmp_path / "state" / "vramguard" / str(redis_port)
+    assert done.returncode == 3 and f"no stack runs in {state_run_dir}" in done.stdout, done
 
 
 def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],

@@ -44,7 +44,8 @@ def run_dir_option(parser: argparse.ArgumentParser) -> None:
                         help="the stack's folder, as given to `vramguard up` (default <state dir>/<port> with --port; "
                         "without either, the only stack that runs)")
     parser.add_argument("--port", type=int, default=None,
-                        help="the gateway port the stack was started on, to find its default run folder "
+                        help="the gateway port the stack was started on, to find its run folder: the default one, "
+                        "else the running stack with that gateway port (`make up PORT=...`'s, in ./.run) "
                         "(default VRAMGUARD_PORT; without either, the only stack that runs, in the state dir or "
                         "./.run: several are listed, exit code 2)")
 
@@ -77,13 +78,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def stack_dir(args: argparse.Namespace) -> Path | int:
     """The run folder `down` and `status` act on: --run-dir, else the default one of --port (or
-    VRAMGUARD_PORT), else the only stack that runs (stack.choose_stack: an exit code when there is not one)."""
+    VRAMGUARD_PORT), or the running stack whose gateway has that port (`make up`'s, in ./.run), else
+    the only stack that runs (stack.choose_stack: an exit code when there is not one)."""
     if args.run_dir is not None:
         return Path(args.run_dir)
     if args.port is None and "VRAMGUARD_PORT" not in os.environ:
         return stack.choose_stack(args.command)
     # The port is checked as `up` checks it: --port 0 must not fall back to 8000's stack.
-    return stack.default_run_dir(up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000"))
+    port = up.env_port(os.environ, "VRAMGUARD_PORT", args.port, "8000")
+    run_dir = stack.default_run_dir(port)
+    if stack.running_pid(run_dir) is None:  # `make up PORT=...` runs in ./.run/<port>: the stack on that port
+        return stack.stack_on_gateway_port(port) or run_dir
+    return run_dir
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -75,6 +75,15 @@ def stack_on_port(port: int) -> Path | None:
     return None
 
 
+def stack_on_gateway_port(port: int | str) -> Path | None:
+    """The run folder of the running stack (of `running_stacks`) whose gateway has `port`; None
+    when none does (an embedded Redis' port does not count: `down --port` names a gateway)."""
+    for run_dir in running_stacks():
+        if (saved_env(run_dir) or {}).get("VRAMGUARD_PORT") == str(port):
+            return run_dir
+    return None
+
+
 def choose_stack(command: str) -> Path | int:
     """The one running stack `down` or `status` acts on without --run-dir or --port, or the exit code
     when there is not exactly one: none runs (status 3, down 0) or several do (2, listed with the

@@ -422,7 +422,12 @@ def _supervise(args: argparse.Namespace, proc: subprocess.Popen[bytes], env: dic
     port = env["VRAMGUARD_PORT"]
     say(f"\nvramguard is ready at http://127.0.0.1:{port}\n{try_it(settings, groups[0].model, port)}\n"
         f"Ctrl-C stops it (or, from another terminal: {stop_command(run_dir)}).\n")
-    return watch_running(proc, watch)
+    code = watch_running(proc, watch)
+    # Stopped by Ctrl-C, a hang-up or `vramguard down` from another terminal: say so, rather than
+    # return to the prompt without a word after the ready banner.
+    exit_code = f" (supervisord exit code {code})" if code else ""
+    say(f"up: the stack in {shlex.quote(str(run_dir))} has stopped{exit_code}")
+    return code
 
 
 def cli_command() -> str:
