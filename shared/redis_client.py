@@ -29,6 +29,7 @@ from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from vramguard.shared.settings import Settings
 
@@ -42,8 +43,8 @@ BLOCKING_SLACK_S = 1.5
 POOL_MAX_CONNECTIONS = 64  # per process (per node under Cluster); more concurrent commands wait
 # Retries span a Sentinel failover's promotion gap (down-after-milliseconds + election): the
 # jittered backoff caps at 0.5 s, so 6 tries wait up to ~2 s before the error reaches the client.
-# Only connection errors and READONLY are retried (refused at once: the backoff is the wait), never
-# a timeout (one COMMAND_TIMEOUT_S, then the error).
+# Connection errors and READONLY are retried (refused at once: the backoff is the wait); a timeout
+# only by the workers' clients (connect's retry_timeouts), never by the gateway's.
 RETRIES = 6
 BACKOFF_CAP_S = 0.5
 # The longest a command can still be re-sent after it first reached Redis: every attempt may
@@ -59,18 +60,21 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionP
     SentinelConnectionPool passes its kwargs (max_connections, timeout) on to BlockingConnectionPool."""
 
 
-def _retry(retries: int = RETRIES) -> Retry:
+def _retry(retries: int = RETRIES, timeouts: bool = False) -> Retry:
     # A re-sent command may already have run (its reply was lost): every command sent through
     # these clients is idempotent or carries its own record of a first run. redis-py's default
-    # retries TimeoutError too: left out here (the module docstring says why).
+    # retries TimeoutError too: only where `timeouts` (see connect).
+    errors: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError) if timeouts else (
+        RedisConnectionError,)
     return Retry(ExponentialWithJitterBackoff(base=0.05, cap=BACKOFF_CAP_S), retries=retries,
-                 supported_errors=(RedisConnectionError,))
+                 supported_errors=errors)
 
 
-def _retry_on() -> list[type[RedisError]]:
+def _retry_on(timeouts: bool = False) -> list[type[RedisError]]:
     # READONLY: we are talking to a demoted primary; the retry reconnects (and, under Sentinel,
-    # rediscovers the primary) instead of failing every write until the process restarts.
-    return [RedisConnectionError, ReadOnlyError]
+    # rediscovers the primary) instead of failing every write until the process restarts. redis-py
+    # re-sends only errors of this list (and of the Retry's), so a retried timeout is named in both.
+    return [RedisConnectionError, ReadOnlyError, *([RedisTimeoutError] if timeouts else [])]
 
 
 def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
@@ -92,9 +96,14 @@ def _parser(settings: Settings) -> dict[str, Any]:
     return {"parser_class": _AsyncRESP2Parser} if settings.redis_parser == "python" else {}
 
 
-def connect(settings: Settings, *, retries: int = RETRIES) -> aioredis.Redis:
+def connect(settings: Settings, *, retries: int = RETRIES, retry_timeouts: bool = False) -> aioredis.Redis:
     """A pooled client for non-blocking commands; binary replies (decode_responses=False).
-    `retries`: how often a command is re-sent after a connection error or timeout (0: sent once).
+    `retries`: how often a command is re-sent after a connection error (0: sent once).
+    `retry_timeouts`: also after a timeout. The workers' clients do: a reply held past the timeout
+    (a loaded Redis, a slow network) must not lose a claim or an ack that already ran, or its entry
+    is claimed again and counts one delivery too many; their scripts keep a record of a first run
+    for RETRY_WINDOW_S. The gateway's do not: a frozen Redis gets its client a 503 within the
+    admission bound, not after several timeouts.
 
     The pool blocks (up to COMMAND_TIMEOUT_S) when all POOL_MAX_CONNECTIONS are busy, instead of
     redis-py's default pool raising "Too many connections" at 100 concurrent requests.
@@ -103,7 +112,8 @@ def connect(settings: Settings, *, retries: int = RETRIES) -> aioredis.Redis:
     """
     common: dict[str, Any] = {
         "socket_timeout": COMMAND_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S,
-        "retry": _retry(retries), "retry_on_error": _retry_on(), "health_check_interval": 10, **_parser(settings),
+        "retry": _retry(retries, retry_timeouts), "retry_on_error": _retry_on(retry_timeouts),
+        "health_check_interval": 10, **_parser(settings),
     }
     if settings.redis_cluster:
         common.pop("health_check_interval")

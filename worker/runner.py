@@ -124,7 +124,7 @@ class Worker:
 
     async def run(self) -> ExitCode:
         """Run until a signal or `max_batches`; returns the exit code for `sys.exit`."""
-        redis = connect(self.settings)
+        redis = connect(self.settings, retry_timeouts=True)
         blocking = connect_blocking(self.settings)
         try:
             code = await self._run(redis, blocking)
