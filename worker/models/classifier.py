@@ -32,6 +32,7 @@ from vramguard.worker.models.efficientnet import (
     FORMATS,
     MAX_PIXELS,
     check_decoding_cost,
+    example_images,
     to_rgb,
 )
 from vramguard.worker.models.embedding import special_tokens
@@ -224,15 +225,7 @@ class ImageClassifierBackend(_Classifier):
         return {"pixel_values": torch.stack(pixels).to(self.device)}
 
     def example_inputs(self) -> list[object]:
-        """Two small PNGs made here (grey and a colour gradient), so the warmup runs the real decoder."""
-        grey = Image.new("RGB", (64, 48), (128, 128, 128))
-        ramp = Image.fromarray(np.linspace(0, 255, 96 * 96 * 3).astype(np.uint8).reshape(96, 96, 3))
-        blobs: list[object] = []
-        for image in (grey, ramp):
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            blobs.append(buffer.getvalue())
-        return blobs
+        return example_images()
 
 
 def _open_rgb(blob: bytes, index: int) -> Image.Image:

@@ -128,15 +128,7 @@ class EfficientNetBackend:
         return {"labels": labels, "logits": output.astype(np.float32)} if item.logits else {"labels": labels}
 
     def example_inputs(self) -> list[object]:
-        """Two small PNGs made here (grey and a colour gradient), so the warmup runs the real decoder."""
-        grey = Image.new("RGB", (64, 48), (128, 128, 128))
-        ramp = Image.fromarray(np.linspace(0, 255, 96 * 96 * 3).astype(np.uint8).reshape(96, 96, 3))
-        blobs: list[object] = []
-        for image in (grey, ramp):
-            buffer = io.BytesIO()
-            image.save(buffer, format="PNG")
-            blobs.append(buffer.getvalue())
-        return blobs
+        return example_images()
 
 
 def _parameters(parameters: Mapping[str, object]) -> tuple[int, bool]:
@@ -213,3 +205,16 @@ def to_rgb(image: Image.Image) -> Image.Image:
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         return image.convert("RGBA").convert("RGB")
     return image.convert("RGB")
+
+
+def example_images() -> list[object]:
+    """Two small PNGs made here (grey and a colour gradient): an image classifier's warmup inputs,
+    so that the warmup runs the real decoder."""
+    grey = Image.new("RGB", (64, 48), (128, 128, 128))
+    ramp = Image.fromarray(np.linspace(0, 255, 96 * 96 * 3).astype(np.uint8).reshape(96, 96, 3))
+    blobs: list[object] = []
+    for image in (grey, ramp):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        blobs.append(buffer.getvalue())
+    return blobs
