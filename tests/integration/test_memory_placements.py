@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -180,6 +181,25 @@ async def load_until(url: str, models: list[str], done: asyncio.Event, tally: Re
         await asyncio.gather(*(loop(n) for n in range(CLIENTS)))
 
 
+async def kill_each_until_back(supervisor: PlacedSupervisor, rng: random.Random,
+                               all_live: Callable[[], Awaitable[bool]], gap_s: tuple[float, float],
+                               timeout_s: float, interval_s: float) -> int:
+    """SIGKILL every worker process once, in `rng`'s order, a random gap (`gap_s`, seconds) apart,
+    then wait until supervisord restarted each and `all_live` holds again. Returns the kills."""
+    processes = sorted(supervisor.spawns())
+    rng.shuffle(processes)
+    for name in processes:
+        await asyncio.sleep(rng.uniform(*gap_s))
+        os.kill(supervisor.spawns()[name][-1], signal.SIGKILL)
+
+    async def all_back() -> bool:
+        spawns = supervisor.spawns()
+        return all(len(spawns[p]) >= 2 for p in processes) and await all_live()
+
+    await wait_until(all_back, timeout_s, interval_s=interval_s)
+    return len(processes)
+
+
 async def run_placement(stack: Stack, placement: Placement, root: Path, models_path: Path) -> dict[str, object]:
     """Start every worker of `placement`, then SIGKILL each in random order under load (supervisord
     restarts it), until all are live again. Returns the figures."""
@@ -204,17 +224,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
 
             await wait_until(all_live, 120, interval_s=0.2)
             traffic = asyncio.create_task(load_until(stack.url, models, done, tally))
-            processes = sorted(supervisor.spawns())
-            rng.shuffle(processes)
-            for name in processes:
-                await asyncio.sleep(rng.uniform(0, BURST_S))
-                os.kill(supervisor.spawns()[name][-1], signal.SIGKILL)
-
-            async def all_back() -> bool:
-                spawns = supervisor.spawns()
-                return all(len(spawns[p]) >= 2 for p in processes) and await all_live()
-
-            await wait_until(all_back, 120, interval_s=0.2)
+            kills = await kill_each_until_back(supervisor, rng, all_live, (0, BURST_S), 120, interval_s=0.2)
             await asyncio.sleep(BURST_S)
             done.set()
             await traffic
@@ -227,7 +237,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path, models_p
     return {
         "seed": placement.seed, "placement": placement.describe(), "workers": placement.workers,
         "sent": tally.sent, "failed": tally.failed, "failures": dict(tally.failures or {}),
-        "oom_events": serving_ooms(logs), "kills": len(processes),
+        "oom_events": serving_ooms(logs), "kills": kills,
         "max_used_mib": max(w.max_used_bytes for w in watches) / MIB,
         "max_over_cap_bytes": max(w.max_over_cap_bytes for w in watches),
         "closest_to_cap": max((w.worst_reserved_vs_cap for w in watches), key=lambda rc: rc[0] - rc[1]),

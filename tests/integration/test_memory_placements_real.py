@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import random
-import signal
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ import pytest
 from PIL import Image
 
 from tests.helpers import Stack, wait_until
-from tests.integration.test_memory_placements import PlacedSupervisor, live_counts
+from tests.integration.test_memory_placements import PlacedSupervisor, kill_each_until_back, live_counts
 from tests.memwatch import GpuWatch
 from vramguard.cli.placement import Gpu, WorkerGroup
 
@@ -192,17 +191,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path) -> dict[
 
             await wait_until(all_live, 600, interval_s=0.5)
             traffic = asyncio.create_task(load_until(stack.url, models, done, tally))
-            processes = sorted(supervisor.spawns())
-            rng.shuffle(processes)
-            for name in processes:
-                await asyncio.sleep(rng.uniform(0.5, BURST_S))
-                os.kill(supervisor.spawns()[name][-1], signal.SIGKILL)
-
-            async def all_back() -> bool:
-                spawns = supervisor.spawns()
-                return all(len(spawns[p]) >= 2 for p in processes) and await all_live()
-
-            await wait_until(all_back, 600, interval_s=0.5)
+            kills = await kill_each_until_back(supervisor, rng, all_live, (0.5, BURST_S), 600, interval_s=0.5)
             await asyncio.sleep(BURST_S)
             done.set()
             await traffic
@@ -215,7 +204,7 @@ async def run_placement(stack: Stack, placement: Placement, root: Path) -> dict[
     return {
         "seed": placement.seed, "placement": placement.describe(), "workers": placement.workers,
         "sent": tally.pop("sent", 0), "failed": tally.pop("failed", 0), "failures": dict(tally),
-        "oom_events": oom_events(supervisor.worker_logs()), "kills": len(processes),
+        "oom_events": oom_events(supervisor.worker_logs()), "kills": kills,
         "max_used_bytes": max(w.max_used_bytes for w in watches),
         "max_over_cap_bytes": max(w.max_over_cap_bytes for w in watches),
         "max_reserved_over_cap": round(reserved / max(1, cap), 3), "samples": sum(w.samples for w in watches),
