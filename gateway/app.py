@@ -53,6 +53,7 @@ from vramguard.shared.errors import (
     UnavailableError,
     VramguardError,
 )
+from vramguard.shared.failover import PrimaryWatch
 from vramguard.shared.keys import Keys
 from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
 from vramguard.shared.settings import Settings
@@ -74,7 +75,9 @@ def create_app(settings: Settings) -> GatewayApp:
         keys = Keys(settings.key_prefix)
         redis = connect(settings)
         blocking = connect_blocking(settings)
-        listener = ReplyListener(settings, redis, blocking, keys.reply_stream(gateway_id))
+        primary_watch = PrimaryWatch(settings)
+        primary_watch.start([redis, blocking])
+        listener = ReplyListener(settings, redis, blocking, keys.reply_stream(gateway_id), pause=primary_watch.pause)
         tasks = TaskWatch(lambda reason: log.critical(
             "a long-lived task ended; this gateway cannot serve and exits for a restart", extra={"reason": reason}))
         health = Health(settings, redis, keys, tasks)
@@ -114,6 +117,7 @@ def create_app(settings: Settings) -> GatewayApp:
             await health.stop()
             await listener.stop()
             await clock.stop()
+            await primary_watch.stop()
             await blocking.aclose()
             await redis.aclose()
             await json_counter.aclose()

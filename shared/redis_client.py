@@ -25,7 +25,7 @@ from redis._parsers import _AsyncRESP2Parser
 from redis.asyncio import BlockingConnectionPool
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool, SentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
@@ -55,6 +55,19 @@ RETRY_WINDOW_S = (RETRIES + 1) * (COMMAND_TIMEOUT_S + CONNECT_TIMEOUT_S) + RETRI
 SAFE_POLICY = "noeviction"
 
 
+class PrimaryConnection(SentinelManagedConnection):
+    """A connection to the primary the sentinels name at each (re)connect, the command's own retry
+    included. redis-py (8.2) asks the sentinels only when a pool hands out a closed connection; a
+    command retried after a ConnectionError reconnects inside `connect_check_health` to the
+    address the connection last had (redis/redis-py#3874): after a failover that is the old
+    primary, which, when stopped rather than dead, accepts the connection and answers nothing."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if not self.is_connected and self.connection_pool.is_master:
+            self.host, self.port = await self.connection_pool.get_master_address()
+        await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
+
+
 class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's primary lookup with the blocking pool's wait-for-a-free-connection:
     SentinelConnectionPool passes its kwargs (max_connections, timeout) on to BlockingConnectionPool."""
@@ -77,8 +90,9 @@ def _retry_on(timeouts: bool = False) -> list[type[RedisError]]:
     return [RedisConnectionError, ReadOnlyError, *([RedisTimeoutError] if timeouts else [])]
 
 
-def _sentinel(settings: Settings, **client_kwargs: Any) -> Sentinel:
-    """A Sentinel manager for settings.redis_sentinels; the primary's password and db come from redis_url."""
+def sentinel_manager(settings: Settings, **client_kwargs: Any) -> Sentinel:
+    """A Sentinel manager for settings.redis_sentinels (`client_kwargs` go to the clients it makes
+    for the primary); the primary's password and db come from redis_url."""
     url = urlsplit(settings.redis_url)
     db = int(url.path.lstrip("/") or 0)
     sentinels = [(host, int(port)) for host, _, port in (a.rpartition(":") for a in settings.redis_sentinels)]
@@ -120,9 +134,10 @@ def connect(settings: Settings, *, retries: int = RETRIES, retry_timeouts: bool 
         cluster = RedisCluster.from_url(settings.redis_url, max_connections=POOL_MAX_CONNECTIONS, **common)
         return cast(aioredis.Redis, cluster)
     if settings.redis_sentinels:
-        return cast(aioredis.Redis, _sentinel(settings).master_for(
+        return cast(aioredis.Redis, sentinel_manager(settings).master_for(
             settings.redis_sentinel_master, connection_pool_class=BlockingSentinelConnectionPool,
-            max_connections=POOL_MAX_CONNECTIONS, timeout=COMMAND_TIMEOUT_S, **common,
+            connection_class=PrimaryConnection, max_connections=POOL_MAX_CONNECTIONS, timeout=COMMAND_TIMEOUT_S,
+            **common,
         ))
     pool = BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=POOL_MAX_CONNECTIONS, timeout=COMMAND_TIMEOUT_S, **common
@@ -142,8 +157,9 @@ def connect_blocking(settings: Settings) -> aioredis.Redis:
     if settings.redis_cluster:
         return cast(aioredis.Redis, RedisCluster.from_url(settings.redis_url, max_connections=4, **common))
     if settings.redis_sentinels:
-        return cast(aioredis.Redis, _sentinel(settings).master_for(
-            settings.redis_sentinel_master, max_connections=1, health_check_interval=10, **common
+        return cast(aioredis.Redis, sentinel_manager(settings).master_for(
+            settings.redis_sentinel_master, connection_class=PrimaryConnection, max_connections=1,
+            health_check_interval=10, **common
         ))
     return aioredis.Redis.from_url(settings.redis_url, max_connections=1, health_check_interval=10, **common)
 

@@ -31,6 +31,7 @@ from redis.exceptions import RedisError, ResponseError
 from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.clocksync import ClockSync
 from vramguard.shared.errors import UnavailableError
+from vramguard.shared.failover import PrimaryWatch
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId
@@ -82,6 +83,7 @@ class Worker:
         generates = bool(settings.spec_for(settings.model).options.get("generates"))
         self.metrics = WorkerMetrics(backend.device, generates=generates)
         self.hang = HangGuard(self._hung)
+        self.primary_watch = PrimaryWatch(settings)  # under Sentinel: follows a failover at once (shared/failover.py)
         self.tasks = TaskWatch(self._task_ended)  # heartbeat, reclaim, clock sync, hang guard
         self.threads = ModelThreads(self.config.max_inflight_batches)  # every call into the backend
         self.watchdog = Watchdog(settings, backend, self._unhealthy, threads=self.threads, hang=self.hang)
@@ -126,11 +128,13 @@ class Worker:
         """Run until a signal or `max_batches`; returns the exit code for `sys.exit`."""
         redis = connect(self.settings, retry_timeouts=True)
         blocking = connect_blocking(self.settings)
+        self.primary_watch.start([redis, blocking])
         try:
             code = await self._run(redis, blocking)
             return self.fatal or code  # a lost device context outranks a clean drain
         finally:
             self.threads.close()
+            await self.primary_watch.stop()
             await blocking.aclose()
             await redis.aclose()
 
@@ -294,7 +298,7 @@ class Worker:
         # holds fewer (worker/memory/plan.py gives each of them its own room in the budget).
         inflight = self.budget.plan.inflight_batches if self.budget is not None else self.config.max_inflight_batches
         slots = asyncio.Semaphore(min(self.config.max_inflight_batches, inflight))
-        recovery, read = LoopRecovery(), 0
+        recovery, read = LoopRecovery(self.primary_watch.pause), 0
         while not self.should_exit and (self._max_batches is None or read < self._max_batches):
             if self.reclaimer is not None and self.reclaimer.has_work:
                 try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from redis.backoff import ExponentialWithJitterBackoff
@@ -37,8 +38,10 @@ class LoopRecovery:
     long as Redis errors last: Redis down is waited out), reconnect the client after an error
     redis-py did not classify, and after MAX_UNEXPECTED_FAILURES of those in a row say to stop."""
 
-    def __init__(self) -> None:
+    def __init__(self, pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        """`pause`: how the back-off is waited (PrimaryWatch.pause ends it at a failover)."""
         self._backoff = ExponentialWithJitterBackoff(base=0.05, cap=2.0)
+        self._pause = pause
         self.failures = 0
         self.unexpected = 0
 
@@ -57,5 +60,5 @@ class LoopRecovery:
             await reconnect(client)
             if self.unexpected >= MAX_UNEXPECTED_FAILURES:
                 return False
-        await asyncio.sleep(self._backoff.compute(self.failures))
+        await self._pause(self._backoff.compute(self.failures))
         return True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import cast
 
 import redis.asyncio as aioredis
@@ -45,11 +46,14 @@ class ReplyListener:
 
     The stream carries a TTL of `reply_stream_ttl_s`, refreshed every heartbeat interval while
     the gateway lives, so a dead gateway's stream expires; workers write with NOMKSTREAM and
-    never recreate it.
+    never recreate it. `pause` waits the reader's back-off after a failed read (PrimaryWatch.pause
+    ends it at a Sentinel failover).
     """
 
-    def __init__(self, settings: Settings, redis: aioredis.Redis, blocking: aioredis.Redis, stream: str) -> None:
+    def __init__(self, settings: Settings, redis: aioredis.Redis, blocking: aioredis.Redis, stream: str, *,
+                 pause: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.stream = stream
+        self._pause = pause
         self._settings = settings
         self._redis = redis
         self._blocking = blocking
@@ -197,7 +201,7 @@ class ReplyListener:
                 log.warning("reply read failed; reconnecting",
                             extra={"error": repr(exc), "failures": failures})
                 await reconnect(self._blocking)
-                await asyncio.sleep(backoff.compute(failures))
+                await self._pause(backoff.compute(failures))
 
     def _resolve(self, reply: ReplyMessage) -> None:
         stream = self._streams.get(reply.request_id)

@@ -86,7 +86,7 @@ class GenerationLoop:
                     # stream, and every later read would fail the same way until it exists again.
                     with contextlib.suppress(RedisError):
                         await w.ensure_group(redis)
-                await asyncio.sleep(backoff.compute(failures))
+                await w.primary_watch.pause(backoff.compute(failures))
 
     async def _round(self, redis: aioredis.Redis, blocking: aioredis.Redis, *, reading: bool) -> None:
         server, reclaimer = self.server, self.worker.reclaimer
