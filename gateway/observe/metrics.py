@@ -25,7 +25,8 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
@@ -47,12 +48,19 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class RequestRecord:
-    """What a route learns about one request while serving it; logged and counted at the end."""
+    """What a route learns about one request while serving it; logged and counted at the end.
+
+    A streamed response outlives its route's `with` block: the route sets `streamed`, the block's
+    end then leaves the request in flight and puts the function that ends it in `end`, and the
+    stream calls that when its last event is sent or it stops (with the exception that stopped it,
+    None when served whole): the request is counted under how its stream ended, timed to that end."""
 
     model: str
     request_id: str | None = None
     reply: ReplyMessage | None = None
     error_detail: str | None = None  # what the client was not told (VramguardError.detail)
+    streamed: bool = False
+    end: Callable[[BaseException | None], None] | None = field(default=None, repr=False)
 
 
 class GatewayMetrics:
@@ -74,9 +82,11 @@ class GatewayMetrics:
         if self.multiproc_dir is not None:
             MultiProcessCollector(self.registry, path=str(self.multiproc_dir))  # type: ignore[no-untyped-call]
             own = None
-        self.requests = Counter(m.REQUESTS, "Inference requests by model and outcome (error code or ok).",
+        self.requests = Counter(m.REQUESTS, "Inference requests by model and outcome (error code, ok, or cancelled: "
+                                "the client left); a streamed one when its stream ends, under how it ended.",
                                 [m.MODEL, m.OUTCOME], registry=own)
-        self.duration = Histogram(m.REQUEST_DURATION, "Inference request latency at the gateway.",
+        self.duration = Histogram(m.REQUEST_DURATION, "Inference request latency at the gateway (a streamed "
+                                  "request's to its last event).",
                                   [m.MODEL, m.OUTCOME], buckets=m.REQUEST_DURATION_BUCKETS_S, registry=own)
         # livesum (multiprocess mode only; ignored otherwise): the requests in flight on the host are the sum
         # over its gateways, and a gateway that exited serves none, so its last value must not count.
@@ -188,9 +198,17 @@ class RequestTracking:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if exc is None and self._record.streamed:
+            self._record.end = self.end  # the stream ends it (RequestRecord says why)
+            return
+        self.end(exc)
+
+    def end(self, exc: BaseException | None) -> None:
+        """Count, time and log the request as ended by `exc` (None: served)."""
         elapsed_s = time.perf_counter() - self._started
         self._in_flight.dec()
         record = self._record
+        record.end = None
         if exc is None:
             outcome = "ok"
         elif isinstance(exc, VramguardError):

@@ -24,6 +24,7 @@ from vramguard.gateway.admission.replies import ReplyStream
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.edge.disconnect import unless_disconnected
 from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
+from vramguard.gateway.observe.metrics import RequestRecord
 from vramguard.gateway.protocols.chat_schema import ChatRequest, CompletionRequest, parse_body
 from vramguard.gateway.protocols.chunks import TextJoin
 from vramguard.gateway.protocols.prompt_tokens import PromptTokens
@@ -94,7 +95,8 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             first = await _opening(request, body.model, stream, deadline, request_id)
-            return StreamingResponse(_events(request, stream, view, deadline, usage, first),
+            record.streamed = True  # counted when the stream ends, under how it ended (_events)
+            return StreamingResponse(_events(request, stream, view, deadline, usage, first, record),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": request_id})
         try:
@@ -208,12 +210,14 @@ async def _collect(stream: ReplyStream, deadline: float, request_id: str) -> tup
 
 
 async def _events(request: Request, stream: ReplyStream, view: _View, deadline: float,
-                  include_usage: bool, first: ReplyMessage) -> AsyncIterator[bytes]:
+                  include_usage: bool, first: ReplyMessage, record: RequestRecord) -> AsyncIterator[bytes]:
     """The SSE body, from the stream's `first` reply on (_opening took it). Whatever ends it
     early (the client leaving cancels this generator; an error) stops the worker's sequence
-    through its cancel key."""
+    through its cancel key. The request is counted and logged (`record.end`) under how the
+    stream ended: served, the error its last event carried, or cancelled (the client left)."""
     dispatcher = dispatcher_of(request)
     finished = False
+    ended_by: BaseException | None = None
     open_streams(request.app)[view.request_id] = stream  # a shutting-down gateway ends it (end_open_streams)
     try:
         yield _sse(view.delta("", None, first=True))
@@ -224,9 +228,18 @@ async def _events(request: Request, stream: ReplyStream, view: _View, deadline: 
         finished = True
         yield b"data: [DONE]\n\n"
     except VramguardError as exc:
+        ended_by = exc
         yield _sse({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code,
                               "request_id": view.request_id}})
+    except (asyncio.CancelledError, GeneratorExit):  # the client left: counted "cancelled", re-raised
+        ended_by = asyncio.CancelledError()
+        raise
+    except Exception as exc:
+        ended_by = exc
+        raise
     finally:
+        if record.end is not None:
+            record.end(ended_by)
         open_streams(request.app).pop(view.request_id, None)
         task = asyncio.get_running_loop().create_task(
             dispatcher.close_stream(view.model, view.request_id, cancel=not finished))

@@ -1,0 +1,77 @@
+"""A streamed generation is counted on /metrics under how its stream ended, and timed to that end:
+through a gateway process and a synthetic-LM worker process (worker/generate/synthetic_lm.py,
+50 ms a step), the real HTTP client reading the SSE events."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.helpers import Stack, wait_until
+from tests.integration.test_metrics import scrape, value
+
+MODEL = "simlm"
+STEP_MS = 50
+MODELS_FILE = f"""
+[{MODEL}]
+backend = "vramguard.worker.generate.synthetic_lm:SyntheticLMBackend"
+description = "synthetic generative model (tests)"
+input_kind = "json"
+output = {{ kind = "json", keys = ["next_token"] }}
+options = {{ generates = true, context_window = 512 }}
+defaults = {{ max_batch_size = 8, max_wait_ms = 1.0, default_timeout_ms = 120000, params = {{ step_ms = {STEP_MS} }} }}
+"""
+DEADLINE_MS = 1500  # the second stream's: 200 tokens take 10 s at 50 ms a step
+
+
+async def _events(http: httpx.AsyncClient, max_tokens: int, *, headers: dict[str, str] | None = None,
+                  leave_after: int | None = None) -> list[str]:
+    """The `data:` lines of one streamed completion; `leave_after`: close the connection after
+    that many, as a client that stops reading does."""
+    body = {"model": MODEL, "prompt": "a bb ccc", "max_tokens": max_tokens, "stream": True, "temperature": 0}
+    lines: list[str] = []
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers or {}) as response:
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if leave_after is not None and len(lines) >= leave_after:
+                    break
+    return lines
+
+
+@pytest.mark.slow  # two processes' start and three streams: about 20 s on 2 busy cores
+@pytest.mark.timeout(180)
+async def test_streamed_generations_are_counted_under_how_their_stream_ended(stack: Stack, tmp_path: Path) -> None:
+    """1. A stream of 3 tokens, read to its end.
+    2. A stream of 200 tokens with a 1.5 s deadline: it ends with an error event, deadline_exceeded.
+    3. A stream of 200 tokens that the client leaves after 3 events.
+    Result: /metrics counts one request each under outcome ok, deadline_exceeded and cancelled (they
+    used to be counted ok when their first event was sent), the deadline's one timed past its
+    deadline, and no request of the model is left in flight."""
+    models = tmp_path / "models.toml"
+    models.write_text(MODELS_FILE)
+    common = {"models_file": str(models), "served_models": MODEL}
+    stack.start_gateway(**common)
+    stack.start_worker(model=MODEL, **common)
+    await stack.wait_ready()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        whole = await _events(http, 3)
+        assert whole[-1] == "data: [DONE]"
+        late = await _events(http, 200, headers={"X-Request-Timeout-Ms": str(DEADLINE_MS)})
+        assert '"code":"deadline_exceeded"' in late[-1], late[-1]
+        await _events(http, 200, leave_after=3)
+
+        async def counted() -> bool:
+            samples, _ = await scrape(http)
+            return value(samples, "vramguard_requests_total", model=MODEL, outcome="cancelled") == 1
+
+        await wait_until(counted, 20)
+        samples, _ = await scrape(http)
+    for outcome in ("ok", "deadline_exceeded", "cancelled"):
+        assert value(samples, "vramguard_requests_total", model=MODEL, outcome=outcome) == 1, outcome
+    took = value(samples, "vramguard_request_duration_seconds_sum", model=MODEL, outcome="deadline_exceeded")
+    assert took is not None and took >= DEADLINE_MS / 1000, took
+    assert value(samples, "vramguard_requests_in_flight", model=MODEL) == 0
