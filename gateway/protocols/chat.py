@@ -111,8 +111,9 @@ async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Respons
 def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, window: int | None) -> tuple[object, int | None]:
     """The prompt as the worker takes it (messages or a string) and max_tokens (None: not given;
     the worker then generates up to the room the window leaves, as vLLM does). Raises
-    BadBodyError when max_tokens alone cannot fit the window, ContextLengthExceededError when
-    the prompt's characters cannot (the worker checks the tokens exactly, before generating)."""
+    ContextLengthExceededError when the prompt's characters cannot fit the window (the tokens, and
+    the prompt's plus max_tokens, are checked exactly by `_check_window`, or by the worker before
+    generating when this gateway cannot count them: OpenAI's error and wording either way)."""
     if isinstance(body, ChatRequest):
         prompt: object = [m.model_dump(exclude_none=True, exclude={"name"}) for m in body.messages]
         chars = sum(len(m.content) for m in body.messages)
@@ -121,9 +122,6 @@ def _prompt_and_max_tokens(body: ChatRequest | CompletionRequest, window: int | 
         prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
         chars = len(str(prompt))
         max_tokens = body.max_tokens
-    if window is not None and max_tokens is not None and max_tokens >= window:
-        raise BadBodyError(f"max_tokens: {max_tokens} leaves no room for a prompt in the model's context window of "
-                           f"{window} tokens")
     if window is not None and chars > window * MAX_CHARS_PER_TOKEN:
         field = "messages" if isinstance(body, ChatRequest) else "prompt"
         raise ContextLengthExceededError(f"This model's maximum context length is {window} tokens. However, your "

@@ -43,8 +43,9 @@ async def client(stack: Stack, tmp_path: Path) -> openai.AsyncOpenAI:
 @pytest.mark.timeout(180)
 async def test_context_window_room_and_openai_context_length_exceeded(client: openai.AsyncOpenAI) -> None:
     """1. Without max_tokens a 3-token prompt generates the 61 tokens the window leaves, on both routes.
-    2. A 60-token prompt with max_tokens 10 (70 > 64), and a 64-token prompt without max_tokens
-       (no room left), on both routes, streamed or not.
+    2. A 60-token prompt with max_tokens 10 (70 > 64), a 3-token prompt with max_tokens 64 (the
+       window alone), and a 64-token prompt without max_tokens (no room left), on both routes,
+       streamed or not.
     Result: 1 finishes with "length" after 61 tokens; each of 2 raises openai.BadRequestError (400)
     with code context_length_exceeded, type invalid_request_error, param messages or prompt, and
     OpenAI's message, streamed too (the worker counted the tokens: the gateway waits for a
@@ -62,11 +63,17 @@ async def test_context_window_room_and_openai_context_length_exceeded(client: op
         ("messages", dict(messages=[{"role": "user", "content": words60}], max_tokens=10),
          f"{head} However, you requested 70 tokens (60 in the messages, 10 in the completion). "
          "Please reduce the length of the messages or completion."),
+        ("messages", dict(messages=[{"role": "user", "content": "a bb ccc"}], max_tokens=WINDOW),
+         f"{head} However, you requested 67 tokens (3 in the messages, 64 in the completion). "
+         "Please reduce the length of the messages or completion."),
         ("messages", dict(messages=[{"role": "user", "content": words64}]),
          f"{head} However, your messages resulted in 64 tokens. Please reduce the length of the messages."),
         ("prompt", dict(prompt=words60, max_tokens=10),
          f"This model's maximum context length is {WINDOW} tokens, however you requested 70 tokens (60 in your "
          "prompt; 10 for the completion). Please reduce your prompt; or completion length."),
+        ("prompt", dict(prompt="a bb ccc", max_tokens=WINDOW),
+         f"This model's maximum context length is {WINDOW} tokens, however you requested 67 tokens (3 in your "
+         "prompt; 64 for the completion). Please reduce your prompt; or completion length."),
         ("prompt", dict(prompt=words64),
          f"{head} However, your prompt resulted in 64 tokens. Please reduce the length of the prompt."),
     ]
