@@ -9,8 +9,8 @@ each in 14 to about 90 tokens (checked on vLLM at the targets below), so the run
 prompts, not by sequences that run to the end of the context window.
 
 `max_tokens`: unset for vLLM (its chat route then generates up to the room left in the window), and
-the room left (window - prompt tokens) for vramguard, whose gateway otherwise puts its default of a
-few tokens: the same bound, asked for explicitly.
+the room left (window - prompt tokens) for vramguard: the bound its worker also takes when max_tokens
+is unset, asked for explicitly so that both runs name it.
 
 Samples: for vramguard, each worker's heartbeat (`generation`: `running`, `kv_tokens_held` and the
 plan's `tokens_fit`); for vLLM, its /metrics (`vllm:num_requests_running`,
