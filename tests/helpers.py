@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import redis
+import tomli_w
 
 from vramguard.cli.placement import WorkerGroup
 from vramguard.cli.programs import SHIPPED_CONF, write_programs
@@ -33,6 +34,23 @@ def load_slack() -> float:
     4xx within 1 s) is asserted as `bound_s * load_slack()`: met as written on a quiet machine (CI),
     scaled on a 2-core machine that eight jobs share, where the kernel alone delays every process."""
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+def synthetic_lm_models(folder: Path, *, window: int, params: dict[str, float] | None = None,
+                        **defaults: object) -> Path:
+    """A models file in `folder` serving the synthetic generative model as "simlm"
+    (worker/generate/synthetic_lm.py) with a `window`-token context window, its `params` (step_ms,
+    chunk_ms, ...) and `defaults` over max_batch_size 8, max_wait_ms 1, default_timeout_ms 120000."""
+    table = {"max_batch_size": 8, "max_wait_ms": 1.0, "default_timeout_ms": 120000, **defaults}
+    if params:
+        table["params"] = params
+    path = folder / "models.toml"
+    path.write_text(tomli_w.dumps({"simlm": {
+        "backend": "vramguard.worker.generate.synthetic_lm:SyntheticLMBackend",
+        "description": "synthetic generative model (tests)", "input_kind": "json",
+        "output": {"kind": "json", "keys": ["next_token"]},
+        "options": {"generates": True, "context_window": window}, "defaults": table}}))
+    return path
 
 
 def free_port() -> int:

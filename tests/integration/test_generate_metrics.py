@@ -9,20 +9,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import Stack, wait_until
+from tests.helpers import Stack, synthetic_lm_models, wait_until
 from tests.integration.test_metrics import scrape, value
 
 MODEL = "simlm"
-STEP_MS = 50
-MODELS_FILE = f"""
-[{MODEL}]
-backend = "vramguard.worker.generate.synthetic_lm:SyntheticLMBackend"
-description = "synthetic generative model (tests)"
-input_kind = "json"
-output = {{ kind = "json", keys = ["next_token"] }}
-options = {{ generates = true, context_window = 512 }}
-defaults = {{ max_batch_size = 8, max_wait_ms = 1.0, default_timeout_ms = 120000, params = {{ step_ms = {STEP_MS} }} }}
-"""
+STEP_MS = 50.0
 DEADLINE_MS = 1500  # the second stream's: 200 tokens take 10 s at 50 ms a step
 
 
@@ -51,8 +42,7 @@ async def test_streamed_generations_are_counted_under_how_their_stream_ended(sta
     Result: /metrics counts one request each under outcome ok, deadline_exceeded and cancelled (they
     used to be counted ok when their first event was sent), the deadline's one timed past its
     deadline, and no request of the model is left in flight."""
-    models = tmp_path / "models.toml"
-    models.write_text(MODELS_FILE)
+    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
     common = {"models_file": str(models), "served_models": MODEL}
     stack.start_gateway(**common)
     stack.start_worker(model=MODEL, **common)

@@ -13,25 +13,15 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.helpers import Stack
+from tests.helpers import Stack, synthetic_lm_models
 
 MODEL = "simlm"
 WINDOW = 64
-MODELS_FILE = f"""
-[{MODEL}]
-backend = "vramguard.worker.generate.synthetic_lm:SyntheticLMBackend"
-description = "synthetic generative model (tests)"
-input_kind = "json"
-output = {{ kind = "json", keys = ["next_token"] }}
-options = {{ generates = true, context_window = {WINDOW} }}
-defaults = {{ max_batch_size = 8, max_wait_ms = 1.0, default_timeout_ms = 120000 }}
-"""
 
 
 @pytest.fixture
 async def client(stack: Stack, tmp_path: Path) -> openai.AsyncOpenAI:
-    models = tmp_path / "models.toml"
-    models.write_text(MODELS_FILE)
+    models = synthetic_lm_models(tmp_path, window=WINDOW)
     common = {"models_file": str(models), "served_models": MODEL}
     stack.start_gateway(**common)
     stack.start_worker(model=MODEL, **common)
