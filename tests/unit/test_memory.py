@@ -112,7 +112,7 @@ def test_plan_refuses_a_budget_that_cannot_hold_one_item() -> None:
 
 
 def test_measurement_grid() -> None:
-    assert measurement_grid(1, 64) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert measurement_grid(1, 64) == [(b, 1) for b in range(1, 9)]
     assert measurement_grid(1, 3) == [(1, 1), (2, 1)]
     assert measurement_grid(256, 2) == [(1, 64), (2, 64), (1, 256), (2, 256)]
 
