@@ -74,7 +74,7 @@ def test_profile_table_shows_the_plan_and_a_progress_bar() -> None:
     done = run_profile("--model", "synthetic", "--device", "sim")
     assert done.returncode == 0, done.stderr
     assert "planned_batch_size             31" in done.stdout  # (409.6 - 12 - 144) / 8 = 31.7
-    assert "measuring synthetic" in done.stderr and "4/4" in done.stderr
+    assert "measuring synthetic" in done.stderr and "8/8" in done.stderr  # batch sizes 1 to 8
 
 
 def test_profile_names_a_budget_too_small() -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from vramguard.worker.memory.budget import AdaptiveCap
-from vramguard.worker.memory.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget
+from vramguard.worker.memory.plan import Fit, MemoryPlanError, Sample, fit_peak, measurement_grid, plan_budget, replan
 from vramguard.worker.memory.simdevice import MIB, SimDevice
 
 
@@ -111,8 +111,17 @@ def test_plan_refuses_a_budget_that_cannot_hold_one_item() -> None:
         plan(total_bytes=160 * MIB)
 
 
+def test_plan_counts_what_stays_reserved_between_forwards_when_it_exceeds_the_weights() -> None:
+    # 160 MiB stay reserved at rest (weights' segments, a workspace, pinned small segments):
+    # (409.6 - 160 - 16) / 8 = 29.2 -> 29 items, where the 128 MiB of weights alone left room for 33
+    assert plan(resting_bytes=160 * MIB).planned_batch_size == 29
+    assert plan(resting_bytes=100 * MIB).planned_batch_size == 33  # less than the weights: they count
+    measured = replan(plan(), 0, 160 * MIB)
+    assert measured.planned_batch_size == 29 and measured.resting_bytes == 160 * MIB
+
+
 def test_measurement_grid() -> None:
-    assert measurement_grid(1, 64) == [(1, 1), (2, 1), (4, 1), (8, 1)]
+    assert measurement_grid(1, 64) == [(b, 1) for b in range(1, 9)]
     assert measurement_grid(1, 3) == [(1, 1), (2, 1)]
     assert measurement_grid(256, 2) == [(1, 64), (2, 64), (1, 256), (2, 256)]
 

@@ -58,6 +58,29 @@ def test_soft_guard_splits_when_memory_is_taken(make_budget) -> None:
     assert stats.oom_events == 0 and stats.splits >= 1 and budget.batch_splits >= 1
 
 
+def test_the_soft_guard_empties_the_cache_when_cached_segments_leave_no_room_for_the_forward(make_budget) -> None:
+    backend, budget = make_budget(64)
+    assert isinstance(budget.accounting, SimAccounting)
+    device = budget.accounting.device
+    # a 22 MiB segment cached by an earlier forward: 20 (weights) + 22 + a forward of 5 (24 MiB) is
+    # over the cap of 47.2 MiB
+    device.release(device.allocate(22 * MIB))
+    assert device.memory_reserved() == 42 * MIB
+    results, stats = run_batch(backend, list(range(5)), 64, budget=budget)
+    assert [r.output for r in results] == list(range(5))
+    assert budget.cache_releases == 1 and stats.oom_events == 0 and stats.splits == 0
+    assert budget.accounting.max_reserved_bytes() <= budget.plan.cap_bytes
+
+
+def test_the_soft_guard_keeps_the_cache_when_the_forward_fits_beside_it(make_budget) -> None:
+    backend, budget = make_budget(64)
+    assert isinstance(budget.accounting, SimAccounting)
+    device = budget.accounting.device
+    device.release(device.allocate(14 * MIB))  # a cached 14 MiB segment: 20 + 14 + 8 (one item) fits 47.2 MiB
+    run_batch(backend, [0], 64, budget=budget)
+    assert budget.cache_releases == 0 and device.memory_reserved() == 34 * MIB
+
+
 def test_oom_splits_in_halves_and_lowers_the_cap(make_budget) -> None:
     backend, budget = make_budget(64, planner=False, cap=32)
     assert budget.max_batch_size == 32

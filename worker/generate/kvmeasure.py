@@ -133,7 +133,9 @@ def build_kv_plan(backend: Any, budget: MemoryBudget, max_running: int,
     context = 0 if on_cpu else plan.context_bytes
     fitted = Fit(plan.fixed_bytes, plan.per_unit_bytes).predict(token_budget) if plan.planned else 0
     pool_tokens = params.get("pool_tokens", CPU_POOL_BYTES // max(expected, measured) if on_cpu else None)
-    kv = plan_kv(budget_bytes=plan.budget_bytes, context_bytes=context, weights_bytes=plan.weights_bytes,
+    # What stays reserved between steps (cuBLAS's workspace beside the weights) is held as the weights are
+    held = max(plan.weights_bytes, plan.resting_bytes)
+    kv = plan_kv(budget_bytes=plan.budget_bytes, context_bytes=context, weights_bytes=held,
                  step_fixed_bytes=max(fixed, fitted), read_bytes_per_token=read,
                  bytes_per_token=max(expected, measured), measured_bytes_per_token=measured, block_tokens=block,
                  token_budget=token_budget, max_running=max_running, context_window=backend.context_window,

@@ -91,6 +91,7 @@ class MemoryBudget:
         self.batch_splits = 0
         self.largest_forward = 0  # items in the largest forward that ran (tests: never over the plan)
         self.max_concurrent_forwards = 0  # most forwards admitted at once (<= plan.inflight_batches when planned)
+        self.cache_releases = 0  # empty_cache calls the soft guard made before a forward to stay under the cap
         # On the CPU the resident set already counts the context; elsewhere it lives outside the allocator.
         context = 0 if accounting.kind == "cpu" else plan.context_bytes
         self.limit_bytes = plan.budget_bytes - context
@@ -142,8 +143,26 @@ class MemoryBudget:
 
     def _fits_locked(self, predicted: int) -> bool:
         if self._inflight == 0:
-            self._resting_bytes = self.accounting.allocated_bytes() + self._weights_slack
+            self._resting_bytes = self._resting_now()
         return self._resting_bytes + self._reserved_bytes + predicted <= self.limit_bytes
+
+    def _resting_now(self) -> int:
+        """What the allocator holds with no forward running (bytes): its reserved segments, cached
+        ones included, since the cap binds on reserved bytes and a segment pinned by one lasting
+        block cannot be given back; never less than the live bytes plus the weights' whole segments."""
+        return max(self.accounting.allocated_bytes() + self._weights_slack, self.accounting.reserved_bytes())
+
+    def _make_room_locked(self, predicted: int) -> None:
+        """With no forward running: when the cached segments and this forward's predicted peak
+        would pass the cap, give the cache back first (empty_cache), the release-and-retry the
+        OOM path does, done before the forward. The plan's peaks were measured from an emptied
+        cache; a forward that starts in segments cached by a batch of another size may place its
+        blocks in them so that it needs a new segment the cap no longer holds."""
+        resting = self._resting_now()
+        if resting + predicted > self.limit_bytes and self.accounting.reserved_bytes() > \
+                self.accounting.allocated_bytes():
+            self.accounting.empty_cache()
+            self.cache_releases += 1
 
     @contextmanager
     def admit(self, batch_size: int, max_item_cost: int) -> Iterator[bool]:
@@ -156,6 +175,8 @@ class MemoryBudget:
             while self._exclusive_held or self._exclusive_waiting or (
                     not self._fits_locked(predicted) and self._inflight > 0):
                 self._cond.wait()
+            if self._inflight == 0 and self.plan.planned:
+                self._make_room_locked(predicted)
             admitted = batch_size == 1 or self._fits_locked(predicted)
             if admitted:
                 self._inflight += 1
@@ -378,8 +399,10 @@ def _start(
     plan = build_plan(backend, accounting, settings, config, context_bytes=context, weights_bytes=weights,
                       total_bytes=total_bytes, on_step=on_step, memory_share=share)
     accounting.empty_cache()
-    if not on_cpu:  # kernel modules for the full-size forwards load lazily, outside the allocator
-        plan = replan(plan, accounting.context_bytes())
+    if not on_cpu:  # kernel modules for the full-size forwards load lazily, outside the allocator; what stays
+        # reserved now (the weights' segments, cuBLAS's workspace, small segments lasting tensors pin) is what
+        # every forward starts from, and the cap binds on reserved bytes
+        plan = replan(plan, accounting.context_bytes(), accounting.reserved_bytes())
     if total_bytes is None:
         accounting.limit_fraction(plan.memory_fraction)
     accounting.reset_peak()

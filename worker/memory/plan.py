@@ -82,7 +82,8 @@ class Plan:
     """A worker's measured memory and the limits derived from it (bytes; cost in the model's unit).
 
     budget_bytes = memory_share x total_bytes (the share is this worker's, never the neighbours');
-    room = budget - context - weights; each of the `inflight_batches` concurrent forwards gets
+    room = budget - context - held, where held = max(weights, resting): what stays reserved with no
+    forward running, as the per-process cap counts it; each of the `inflight_batches` concurrent forwards gets
     (room / inflight_batches) - fixed, so planned_batch_tokens = floor(that / per_token) for text
     (0 otherwise) and planned_batch_size = min(max_batch_size, floor(that / per_item)).
     `planned` False: the planner is off and planned_batch_size is the configured max_batch_size, unchecked.
@@ -105,6 +106,10 @@ class Plan:
     inflight_batches: int  # concurrent forwards planned (<= the configured max_inflight_batches)
     recommended_workers_per_gpu: int
     planned: bool = True
+    # Reserved with no forward running and the cache emptied (0: not measured): the weights' segments,
+    # cuBLAS's workspace, the small-pool segments that lasting tensors pin. The cap binds on reserved
+    # bytes, so a forward's room is what this leaves, not what the weights alone leave.
+    resting_bytes: int = 0
 
     @property
     def per_unit_bytes(self) -> float:
@@ -149,19 +154,20 @@ def forward_cost(room_bytes: float, fit: Fit, inflight: int) -> int:
 
 def plan_budget(
     *, device_kind: str, total_bytes: int, context_bytes: int, weights_bytes: int, fit: Fit, max_item_cost: int,
-    watermark: float, memory_share: float, max_batch_size: int, max_inflight_batches: int = 1,
+    watermark: float, memory_share: float, max_batch_size: int, max_inflight_batches: int = 1, resting_bytes: int = 0,
 ) -> Plan:
     """docs/concepts/architecture.md's arithmetic with a share: usable = memory_share x total; room = usable - context
-    - weights; each of K concurrent forwards fits in room / K. K starts at `max_inflight_batches`
-    and is lowered until a forward holds one item of the largest cost (`max_item_cost`); at K = 1 a
-    forward must hold at least one unit of cost.
+    - max(weights, resting_bytes) (Plan.resting_bytes; bytes); each of K concurrent forwards fits in
+    room / K. K starts at `max_inflight_batches` and is lowered until a forward holds one item of the
+    largest cost (`max_item_cost`); at K = 1 a forward must hold at least one unit of cost.
 
     The recommended workers per GPU is the largest n whose share watermark / n still holds a full
     batch of `max_batch_size` items of the largest cost (1 if none does).
     Raises MemoryPlanError when the budget cannot hold one unit of cost.
     """
     budget = memory_share * total_bytes
-    room = budget - context_bytes - weights_bytes
+    held = max(weights_bytes, resting_bytes)
+    room = budget - context_bytes - held
     inflight = max_inflight_batches
     while inflight > 1 and forward_cost(room, fit, inflight) < max_item_cost:
         inflight -= 1
@@ -169,13 +175,13 @@ def plan_budget(
     if max_cost < 1:
         raise MemoryPlanError(
             f"memory budget {budget / 2**20:.1f} MiB (share {memory_share:.4g} of {total_bytes / 2**20:.1f} MiB) "
-            f"cannot hold context + weights + fixed = "
-            f"{(context_bytes + weights_bytes + fit.fixed_bytes) / 2**20:.1f} MiB plus one item"
+            f"cannot hold context + weights (or what stays reserved between forwards) + fixed = "
+            f"{(context_bytes + held + fit.fixed_bytes) / 2**20:.1f} MiB plus one item"
         )
     full_batch = max_batch_size * max_item_cost
     recommended = max(
         (n for n in range(1, MAX_WORKERS_PER_GPU + 1)
-         if forward_cost(watermark * total_bytes / n - context_bytes - weights_bytes, fit, 1) >= full_batch),
+         if forward_cost(watermark * total_bytes / n - context_bytes - held, fit, 1) >= full_batch),
         default=1,
     )
     text = max_item_cost > 1
@@ -186,6 +192,7 @@ def plan_budget(
         budget_bytes=int(budget), max_batch_size=max_batch_size, planned_batch_size=min(max_batch_size, max_cost),
         planned_batch_tokens=min(max_cost, UNLIMITED_COST) if text else 0,
         max_item_cost=max_item_cost, inflight_batches=inflight, recommended_workers_per_gpu=recommended,
+        resting_bytes=resting_bytes,
     )
 
 
@@ -206,26 +213,33 @@ def unplanned(
 
 def measurement_grid(max_item_cost: int, max_batch_size: int) -> list[tuple[int, int]]:
     """(batch_size, item_cost) pairs to measure: a few batch sizes, and for text a quarter of the
-    model's window and the full window, smallest first (an OOM ends a row)."""
+    model's window and the full window, smallest first (an OOM ends a row). Fixed-size items are
+    measured at every batch size up to the largest of MEASURE_BATCH_SIZES: the segments a forward
+    reserves are a step function of its batch (20 MiB segments up to 10 MiB requests), so a batch
+    between two measured ones may reserve more than the line through them."""
     sizes = [b for b in MEASURE_BATCH_SIZES if b <= max_batch_size] or [1]
+    if max_item_cost == 1:
+        sizes = list(range(1, max(sizes) + 1))
     lengths = sorted({max(1, max_item_cost // 4), max_item_cost})
     return [(b, length) for length in lengths for b in sizes]
 
 
-def replan(plan: Plan, context_bytes: int) -> Plan:
+def replan(plan: Plan, context_bytes: int, resting_bytes: int | None = None) -> Plan:
     """`plan` with this process's memory outside the allocator measured again (`context_bytes`: the
-    kernel modules that load lazily at the first full-size forwards): the same fit, the limits
-    derived anew. Unchanged when the figure is the same. Raises MemoryPlanError as plan_budget does."""
-    if context_bytes == plan.context_bytes:
+    kernel modules that load lazily at the first full-size forwards) and, when given, what stays
+    reserved between forwards (`resting_bytes`, Plan.resting_bytes): the same fit, the limits derived
+    anew. Unchanged when the figures are the same. Raises MemoryPlanError as plan_budget does."""
+    resting = plan.resting_bytes if resting_bytes is None else resting_bytes
+    if context_bytes == plan.context_bytes and resting == plan.resting_bytes:
         return plan
     if not plan.planned:
-        return replace(plan, context_bytes=context_bytes)
+        return replace(plan, context_bytes=context_bytes, resting_bytes=resting)
     per_unit = plan.per_token_bytes if plan.max_item_cost > 1 else float(plan.per_item_bytes)
     return plan_budget(
         device_kind=plan.device_kind, total_bytes=plan.total_bytes, context_bytes=context_bytes,
         weights_bytes=plan.weights_bytes, fit=Fit(plan.fixed_bytes, per_unit), max_item_cost=plan.max_item_cost,
         watermark=plan.watermark, memory_share=plan.memory_share, max_batch_size=plan.max_batch_size,
-        max_inflight_batches=plan.inflight_batches,
+        max_inflight_batches=plan.inflight_batches, resting_bytes=resting,
     )
 
 

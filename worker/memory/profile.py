@@ -99,7 +99,7 @@ def _worker_plan(plan: Plan, share: float) -> dict[str, object]:
         mine = plan_budget(device_kind=plan.device_kind, total_bytes=plan.total_bytes, context_bytes=plan.context_bytes,
                            weights_bytes=plan.weights_bytes, fit=fit, max_item_cost=plan.max_item_cost,
                            watermark=plan.watermark, memory_share=share, max_batch_size=plan.max_batch_size,
-                           max_inflight_batches=plan.inflight_batches)
+                           max_inflight_batches=plan.inflight_batches, resting_bytes=plan.resting_bytes)
     except MemoryPlanError as exc:
         return {"memory_share": share, "error": str(exc)}
     return {"memory_share": share, "budget_bytes": mine.budget_bytes, "planned_batch_size": mine.planned_batch_size,
