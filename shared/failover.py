@@ -56,8 +56,10 @@ class PrimaryWatch:
         self.switches = 0  # failovers acted on (tests and logs)
 
     def start(self, clients: list[aioredis.Redis]) -> None:
+        if self._sentinel is None:  # a plain URL, or a Cluster client (which has no pool: it follows MOVED)
+            return
         self._pools = [c.connection_pool for c in clients if isinstance(c.connection_pool, SentinelConnectionPool)]
-        if self._sentinel is not None and self._pools:
+        if self._pools:
             self._poller.start()
 
     async def stop(self) -> None:
