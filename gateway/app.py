@@ -55,7 +55,7 @@ from vramguard.shared.errors import (
 )
 from vramguard.shared.failover import PrimaryWatch
 from vramguard.shared.keys import Keys
-from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
+from vramguard.shared.redis_client import check_eviction_policy, close, connect, connect_blocking
 from vramguard.shared.settings import Settings
 from vramguard.shared.tasks import TaskWatch
 
@@ -118,8 +118,8 @@ def create_app(settings: Settings) -> GatewayApp:
             await listener.stop()
             await clock.stop()
             await primary_watch.stop()
-            await blocking.aclose()
-            await redis.aclose()
+            await close(blocking)
+            await close(redis)
             await json_counter.aclose()
             log.info("gateway stopped", extra={"gateway_id": gateway_id})
 

@@ -164,6 +164,17 @@ def connect_blocking(settings: Settings) -> aioredis.Redis:
     return aioredis.Redis.from_url(settings.redis_url, max_connections=1, health_check_interval=10, **common)
 
 
+async def close(client: aioredis.Redis) -> None:
+    """Close `client`'s connections, and under Sentinel also those its pool keeps to the sentinels
+    for finding the primary (redis-py's `aclose` leaves them open to be collected later, after
+    the event loop that owns them may be gone)."""
+    await client.aclose()
+    pool = getattr(client, "connection_pool", None)  # a RedisCluster has none
+    if isinstance(pool, SentinelConnectionPool):
+        for sentinel in pool.sentinel_manager.sentinels:
+            await sentinel.aclose()
+
+
 async def eviction_problem(redis: aioredis.Redis) -> str | None:
     """What Redis' maxmemory-policy risks, read now (`CONFIG SET` may change it at run time), or
     None under `noeviction` or where CONFIG is forbidden (some managed services: logged). Raises

@@ -35,7 +35,7 @@ from vramguard.shared.failover import PrimaryWatch
 from vramguard.shared.heartbeat import WorkerBeat
 from vramguard.shared.keys import GROUP, Keys
 from vramguard.shared.protocol import EntryId
-from vramguard.shared.redis_client import check_eviction_policy, connect, connect_blocking
+from vramguard.shared.redis_client import check_eviction_policy, close, connect, connect_blocking
 from vramguard.shared.settings import Settings
 from vramguard.shared.tasks import TaskWatch
 from vramguard.worker.backend import ModelBackend
@@ -135,8 +135,8 @@ class Worker:
         finally:
             self.threads.close()
             await self.primary_watch.stop()
-            await blocking.aclose()
-            await redis.aclose()
+            await close(blocking)
+            await close(redis)
 
     async def _run(self, redis: aioredis.Redis, blocking: aioredis.Redis) -> ExitCode:
         reclaimer = self.reclaimer = Reclaimer(

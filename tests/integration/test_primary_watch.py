@@ -13,7 +13,7 @@ import redis
 
 from tests.topology import MASTER_NAME, SentinelTopology, wait_for
 from vramguard.shared.failover import PrimaryWatch
-from vramguard.shared.redis_client import BLOCKING_SLACK_S, connect_blocking
+from vramguard.shared.redis_client import BLOCKING_SLACK_S, close, connect_blocking
 from vramguard.shared.settings import Settings
 
 BLOCK_MS = 8000  # the blocking read's socket timeout is this + BLOCKING_SLACK_S: 9.5 s
@@ -28,6 +28,8 @@ async def sentinels() -> AsyncIterator[tuple[SentinelTopology, Settings]]:
     try:
         yield topology, settings
     finally:
+        for proc in topology.procs.values():  # a stopped primary ends at SIGTERM only once continued
+            proc.send_signal(signal.SIGCONT)
         topology.stop()
 
 
@@ -65,7 +67,7 @@ async def test_a_read_parked_on_a_stopped_primary_moves_to_the_promoted_replica(
         assert watch.switches == 1
     finally:
         await watch.stop()
-        await blocking.aclose()
+        await close(blocking)
 
 
 async def test_a_back_off_ends_when_the_sentinels_name_a_new_primary(sentinels) -> None:
@@ -85,4 +87,4 @@ async def test_a_back_off_ends_when_the_sentinels_name_a_new_primary(sentinels) 
         assert watch.switches == 1
     finally:
         await watch.stop()
-        await blocking.aclose()
+        await close(blocking)
