@@ -57,13 +57,18 @@ def sentinel_stack(tmp_path: Path) -> Iterator[tuple[Stack, SentinelTopology]]:
         topology.stop()
 
 
-@pytest.mark.parametrize("how", ["sigkill", "demote"])  # the stopped primary: test_stale_primary_...
-async def test_primary_lost_under_load_fails_over_without_hanging(sentinel_stack, how: str) -> None:
-    stack, topology = sentinel_stack
+async def _serve(stack: Stack) -> None:
+    """The gateway and two workers, ready."""
     stack.start_gateway()
     stack.start_worker(worker_name="sentinel-w0")
     stack.start_worker(worker_name="sentinel-w1")
     await stack.wait_ready()
+
+
+@pytest.mark.parametrize("how", ["sigkill", "demote"])  # the stopped primary: test_stale_primary_...
+async def test_primary_lost_under_load_fails_over_without_hanging(sentinel_stack, how: str) -> None:
+    stack, topology = sentinel_stack
+    await _serve(stack)
     started = time.monotonic()
     async with Load(stack.url, clients=10, timeout_ms=TIMEOUT_MS) as load:
 
@@ -112,10 +117,7 @@ async def test_stale_primary_stopped_then_killed_answers_within_2_5_s(sentinel_s
     and workers dropped their connections to the stopped one, and their readers' back-offs ended:
     a request admitted then waited up to 2 s more for a reader still backing off)."""
     stack, topology = sentinel_stack
-    stack.start_gateway()
-    stack.start_worker(worker_name="sentinel-w0")
-    stack.start_worker(worker_name="sentinel-w1")
-    await stack.wait_ready()
+    await _serve(stack)
     started = time.monotonic()
     old_primary = topology.primary
     promoted_s: list[float] = []
