@@ -67,6 +67,15 @@ class PrimaryConnection(SentinelManagedConnection):
             self.host, self.port = await self.connection_pool.get_master_address()
         await super().connect_check_health(check_health=check_health, retry_socket_connect=retry_socket_connect)
 
+    async def _connect_retry(self) -> None:
+        # The pool's way in (`connect`): redis-py asks the sentinels here and then connects to that
+        # address; connect_check_health above asks them itself, so asking here too would be a second
+        # round trip to the sentinels for every new connection.
+        if not self.connection_pool.is_master:
+            await super()._connect_retry()  # type: ignore[no-untyped-call]
+            return
+        await self.connect_check_health(check_health=self.connection_pool.check_connection, retry_socket_connect=False)
+
 
 class BlockingSentinelConnectionPool(SentinelConnectionPool, BlockingConnectionPool):
     """Sentinel's primary lookup with the blocking pool's wait-for-a-free-connection:
