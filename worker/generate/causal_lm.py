@@ -30,12 +30,12 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.settings import Settings
-from vramguard.worker.generate.attention import ATTENTION
+from vramguard.worker.generate.attention import ATTENTION, StepLayout
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import DEFAULT_MAX_STEP_TOKENS, GENERATION_PARAMS
 from vramguard.worker.generate.kvpool import KVPool
@@ -73,6 +73,8 @@ class CausalLMBackend:
         dtype = getattr(torch, str(self.options.get("dtype", "float32")))  # a folder's: shared/folders.py
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
+        if self.device == "cpu":
+            transpose_linear_weights(self._model)
         self._model.set_attn_implementation(ATTENTION)  # each sequence's own attention in a packed step
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))
@@ -251,7 +253,29 @@ def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[st
             "cu_seq_lens_q": torch.tensor(cu_q, dtype=torch.int32, device=device),
             "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k, dtype=torch.int32, device=device)},
             "max_length_q": max(lengths_q), "max_length_k": {"full_attention": max(lengths_k)},
-            "logits_to_keep": torch.tensor(keep, device=device)}
+            "logits_to_keep": torch.tensor(keep, device=device), "step_layout": StepLayout.of(cu_q, cu_k, device)}
+
+
+def transpose_linear_weights(model: PreTrainedModel) -> int:
+    """Store each linear layer's weight [out, in] as the transpose of a contiguous [in, out] tensor
+    (same values, same bytes, same shape to every reader), so that `F.linear` hands MKL's sgemm an
+    untransposed right-hand matrix. On the CPU that is the faster layout for a step's few rows:
+    measured on the 2-core Xeon (MKL 2024.2, AVX-512, 1 thread), SmolLM2's 30 decoder layers at 32
+    rows 93 -> 71 ms, at 8 rows 67 -> 57 ms; from 256 rows on the two layouts are even. A weight
+    shared with the input embedding (tied output head) keeps its layout: the embedding's row
+    lookups would become strided.
+
+    Every other parameter and buffer is copied too. transformers maps a safetensors file into
+    memory and the weights point into that mapping; one tensor left there keeps the whole file
+    mapped, and its pages count in the resident set beside the copies (a process holding SmolLM2:
+    1.26 GB resident with the linear weights copied, 0.96 GB with nothing left in the mapping), which
+    the memory plan on the CPU would take for weights.
+    Returns the number of linear weights laid out again."""
+    embedding = model.get_input_embeddings().weight
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight is not embedding}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.t().contiguous().t() if id(tensor) in linear else tensor.data.clone()
+    return len(linear)
 
 
 def _is_message(value: object) -> bool:

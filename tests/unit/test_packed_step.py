@@ -1,0 +1,80 @@
+"""A packed generation step (worker/generate/causal_lm.py, attention.py) computes what the model
+computes for each sequence alone: a small random Llama, its paged KV pool, chunked prefills and
+decodes of several sequences in one step, against plain forwards of each sequence's whole context;
+and the CPU's weight layout changes no output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from vramguard.worker.generate.attention import ATTENTION
+from vramguard.worker.generate.causal_lm import packed_inputs, transpose_linear_weights
+from vramguard.worker.generate.engine import Chunk
+from vramguard.worker.generate.kvpool import KVPool
+from vramguard.worker.generate.sampling import SamplingParams
+from vramguard.worker.generate.sequence import Sequence
+
+
+def _model(tied: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=tied)
+    return LlamaForCausalLM(config).eval()
+
+
+def _seq(name: str, ids: list[int]) -> Sequence:
+    return Sequence(request_id=name, entry_id=name, reply_to="", deadline_ms=0,  # type: ignore[arg-type]
+                    prompt_ids=ids, max_tokens=8, sampling=SamplingParams(0.0, 1.0, 0))
+
+
+def _last_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_transposed_weights_keep_values_shapes_and_outputs(tied: bool) -> None:
+    model = _model(tied)
+    ids = list(range(3, 40))
+    before = _last_logits(model, ids)
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    laid_out = transpose_linear_weights(model)
+    assert laid_out == 2 * 7 + (0 if tied else 1)  # q k v o gate up down per layer; the head unless tied
+    assert {name: p.shape for name, p in model.named_parameters()} == shapes
+    assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
+    assert model.get_input_embeddings().weight.is_contiguous()  # the embedding's rows stay rows
+    torch.testing.assert_close(_last_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone() -> None:
+    model = _model(tied=False)
+    transpose_linear_weights(model)
+    model.set_attn_implementation(ATTENTION)
+    pool = KVPool(model.config, num_blocks=32, block_tokens=4, device="cpu", dtype=torch.float32)
+    prompts = {"a": [5, 9, 2, 7, 11, 3, 8], "b": [4, 4, 6], "c": list(range(10, 30))}
+    seqs = {name: _seq(name, ids) for name, ids in prompts.items()}
+    for name, ids in prompts.items():
+        assert pool.grow(name, len(ids) + 2)
+
+    def step(chunks: list[Chunk]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = model(**packed_inputs(pool, chunks, "cpu")).logits[0]
+        for chunk in chunks:
+            pool.wrote(chunk.seq.request_id, [], len(chunk.tokens))
+        return logits
+
+    # Step 1: a and b prefill whole, c its first 6 tokens (a chunk of a longer prefill).
+    first = step([Chunk(seqs["a"], 0, prompts["a"], True), Chunk(seqs["b"], 0, prompts["b"], True),
+                  Chunk(seqs["c"], 0, prompts["c"][:6], False)])
+    torch.testing.assert_close(first[0], _last_logits(model, prompts["a"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(first[1], _last_logits(model, prompts["b"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(first[2], _last_logits(model, prompts["c"][:6]), rtol=1e-4, atol=1e-4)
+    # Step 2: a and b decode one token each over their cache, c prefills the rest of its prompt.
+    second = step([Chunk(seqs["a"], 7, [1], True), Chunk(seqs["b"], 3, [2], True),
+                   Chunk(seqs["c"], 6, prompts["c"][6:], True)])
+    torch.testing.assert_close(second[0], _last_logits(model, prompts["a"] + [1]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second[1], _last_logits(model, prompts["b"] + [2]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(second[2], _last_logits(model, prompts["c"]), rtol=1e-4, atol=1e-4)
