@@ -42,10 +42,11 @@ def test_transposed_weights_keep_values_shapes_and_outputs(tied: bool) -> None:
     before = _last_logits(model, ids)
     shapes = {name: p.shape for name, p in model.named_parameters()}
     laid_out = transpose_linear_weights(model)
-    assert laid_out == 2 * 7 + (0 if tied else 1)  # q k v o gate up down per layer; the head unless tied
+    assert laid_out == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
     assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
-    assert model.get_input_embeddings().weight.is_contiguous()  # the embedding's rows stay rows
+    assert not model.lm_head.weight.is_contiguous()
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied  # a tie stays one tensor
     torch.testing.assert_close(_last_logits(model, ids), before, rtol=1e-5, atol=1e-5)
 
 
