@@ -39,6 +39,7 @@ from vramguard.worker.generate.attention import ATTENTION, StepLayout
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import DEFAULT_MAX_STEP_TOKENS, GENERATION_PARAMS
 from vramguard.worker.generate.kvpool import KVPool
+from vramguard.worker.memory import mirror
 
 ROLES = frozenset({"system", "user", "assistant"})
 
@@ -73,7 +74,7 @@ class CausalLMBackend:
         dtype = getattr(torch, str(self.options.get("dtype", "float32")))  # a folder's: shared/folders.py
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
-        if self.device == "cpu":
+        if self.device == "cpu" and mirror.active() is None:  # the simulated GPU mirrors CUDA: weights as loaded
             transpose_linear_weights(self._model)
         self._model.set_attn_implementation(ATTENTION)  # each sequence's own attention in a packed step
         config = self._model.config
