@@ -1,15 +1,19 @@
 """A packed generation step (worker/generate/causal_lm.py, attention.py) computes what the model
 computes for each sequence alone: a small random Llama, its paged KV pool, chunked prefills and
 decodes of several sequences in one step, against plain forwards of each sequence's whole context;
-and the CPU's weight layout changes no output."""
+each step's layout is worked out once, not once per layer; and the CPU's weight layout changes no
+output and leaves no weight in the file it was loaded from."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from vramguard.worker.generate.attention import ATTENTION
+from vramguard.worker.generate import attention
+from vramguard.worker.generate.attention import ATTENTION, StepLayout
 from vramguard.worker.generate.causal_lm import packed_inputs, transpose_linear_weights
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvpool import KVPool
@@ -36,7 +40,7 @@ def _last_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_transposed_weights_keep_values_shapes_and_outputs(tied: bool) -> None:
+def test_transposed_weights_keep_shapes_ties_and_outputs(tied: bool) -> None:
     model = _model(tied)
     ids = list(range(3, 40))
     before = _last_logits(model, ids)
@@ -50,11 +54,27 @@ def test_transposed_weights_keep_values_shapes_and_outputs(tied: bool) -> None:
     torch.testing.assert_close(_last_logits(model, ids), before, rtol=1e-5, atol=1e-5)
 
 
-def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone() -> None:
+def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
+    _model(tied=True).save_pretrained(tmp_path)
+    model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    model.model.gate = torch.nn.Linear(64, 1, bias=False)  # one output: its transpose is contiguous already
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    before = {name: t.data_ptr() for name, t in tensors.items()}
+    transpose_linear_weights(model)
+    after = dict(model.named_parameters()) | dict(model.named_buffers())
+    assert {name for name, t in after.items() if t.data_ptr() == before[name]} == set()
+
+
+def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(tied=False)
     transpose_linear_weights(model)
     model.set_attn_implementation(ATTENTION)
-    pool = KVPool(model.config, num_blocks=32, block_tokens=4, device="cpu", dtype=torch.float32)
+    pool = KVPool(model.config, num_blocks=32, block_tokens=4, device="cpu", dtype=torch.float32,
+                  prefix_sharing=False)
+    layouts: list[StepLayout] = []
+    of = StepLayout.of
+    monkeypatch.setattr(attention.StepLayout, "of", lambda *a: layouts.append(of(*a)) or layouts[-1])
     prompts = {"a": [5, 9, 2, 7, 11, 3, 8], "b": [4, 4, 6], "c": list(range(10, 30))}
     seqs = {name: _seq(name, ids) for name, ids in prompts.items()}
     for name, ids in prompts.items():
@@ -64,7 +84,7 @@ def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone
         with torch.inference_mode():
             logits = model(**packed_inputs(pool, chunks, "cpu")).logits[0]
         for chunk in chunks:
-            pool.wrote(chunk.seq.request_id, [], len(chunk.tokens))
+            pool.wrote(chunk.seq.request_id, [], len(chunk.tokens))  # no context: nothing to hash, no sharing
         return logits
 
     # Step 1: a and b prefill whole, c its first 6 tokens (a chunk of a longer prefill).
@@ -79,3 +99,4 @@ def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone
     torch.testing.assert_close(second[0], _last_logits(model, prompts["a"] + [1]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second[1], _last_logits(model, prompts["b"] + [2]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second[2], _last_logits(model, prompts["c"]), rtol=1e-4, atol=1e-4)
+    assert len(layouts) == 2  # once a step, for both layers
