@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vramguard.worker.generate import attention
 from vramguard.worker.generate.attention import ATTENTION, StepLayout
-from vramguard.worker.generate.causal_lm import packed_inputs, transpose_linear_weights
+from vramguard.worker.generate.causal_lm import lay_out_weights_for_cpu, packed_inputs
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.sampling import SamplingParams
@@ -45,7 +45,7 @@ def test_transposed_weights_keep_shapes_ties_and_outputs(tied: bool) -> None:
     ids = list(range(3, 40))
     before = _last_logits(model, ids)
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    laid_out = transpose_linear_weights(model)
+    laid_out = lay_out_weights_for_cpu(model)
     assert laid_out == 2 * 7 + 1  # q k v o gate up down per layer, and the head
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
     assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
@@ -60,7 +60,7 @@ def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
     model.model.gate = torch.nn.Linear(64, 1, bias=False)  # one output: its transpose is contiguous already
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     before = {name: t.data_ptr() for name, t in tensors.items()}
-    transpose_linear_weights(model)
+    lay_out_weights_for_cpu(model)
     after = dict(model.named_parameters()) | dict(model.named_buffers())
     assert {name for name, t in after.items() if t.data_ptr() == before[name]} == set()
 
@@ -68,7 +68,7 @@ def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
 def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
     model = _model(tied=False)
-    transpose_linear_weights(model)
+    lay_out_weights_for_cpu(model)
     model.set_attn_implementation(ATTENTION)
     pool = KVPool(model.config, num_blocks=32, block_tokens=4, device="cpu", dtype=torch.float32,
                   prefix_sharing=False)

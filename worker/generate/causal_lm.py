@@ -75,7 +75,7 @@ class CausalLMBackend:
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
         if self.device == "cpu" and mirror.active() is None:  # the simulated GPU mirrors CUDA: weights as loaded
-            transpose_linear_weights(self._model)
+            lay_out_weights_for_cpu(self._model)
         self._model.set_attn_implementation(ATTENTION)  # each sequence's own attention in a packed step
         config = self._model.config
         window = int(self.options.get("context_window", config.max_position_embeddings))
@@ -258,7 +258,7 @@ def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[st
             "logits_to_keep": torch.tensor(keep, device=device), "step_layout": StepLayout.of(cu_q, cu_k, device)}
 
 
-def transpose_linear_weights(model: PreTrainedModel) -> int:
+def lay_out_weights_for_cpu(model: PreTrainedModel) -> int:
     """Store each float32 linear layer's weight [out, in] as the transpose of a contiguous [in, out]
     tensor (same values, same bytes, same shape to every reader), so that `F.linear` hands MKL's
     sgemm an untransposed right-hand matrix. On the CPU that is the faster layout for a step's few
