@@ -102,14 +102,14 @@ def memory_share(folder: Path) -> float:
 
 
 def kv_pool_tokens(folder: Path) -> int:
-    """The tokens KV_POOL_BYTES holds for the model in `folder` (float32 keys and values of every
-    layer: 2 x layers x key/value heads x head dim x 4 bytes a token, the worker's kv_bytes_per_token),
-    whole blocks of the worker's default size."""
+    """The tokens KV_POOL_BYTES holds for the model in `folder` (float32 keys and values, as the
+    worker counts them: causal_lm.kv_bytes_per_token), whole blocks of the worker's default size."""
+    from transformers import AutoConfig
+
+    from vramguard.worker.generate.causal_lm import kv_bytes_per_token
     from vramguard.worker.generate.kvplan import DEFAULT_BLOCK_TOKENS
 
-    c = json.loads((folder / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    per_token = 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim * 4
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(folder, local_files_only=True), 4)
     return KV_POOL_BYTES // per_token // DEFAULT_BLOCK_TOKENS * DEFAULT_BLOCK_TOKENS
 
 

@@ -132,12 +132,8 @@ class CausalLMBackend:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one token of one sequence holds in the KV cache, from the model config: keys and
-        values (2) x layers x key/value heads x head dim x bytes per element."""
-        c = self._model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return 2 * c.num_hidden_layers * kv_heads * head_dim * self._model.dtype.itemsize  # type: ignore[no-any-return]
+        """Bytes one token of one sequence holds in the KV cache (kv_bytes_per_token below)."""
+        return kv_bytes_per_token(self._model.config, self._model.dtype.itemsize)
 
     @property
     def max_item_cost(self) -> int:
@@ -227,6 +223,15 @@ class CausalLMBackend:
         with torch.inference_mode():
             out = self._model(**packed_inputs(pool, chunks, self.device))
         return out.logits[0].float()  # type: ignore[no-any-return]
+
+
+def kv_bytes_per_token(config: Any, itemsize: int) -> int:
+    """Bytes one token of one sequence holds in the KV cache of a model with transformers config
+    `config`, elements of `itemsize` bytes: keys and values (2) x layers x key/value heads x head
+    dim."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return int(2 * config.num_hidden_layers * kv_heads * head_dim * itemsize)
 
 
 def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[str, Any]:
