@@ -58,15 +58,13 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                 **kwargs: Any) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, dim], key and value [1, kv heads, K, dim] (the sequences one after the
-    other, as kwargs `step_layout` places them, or else cu_seq_lens_q and cu_seq_lens_k, int32
-    [sequences + 1]). Returns [1, T, heads, dim] and no weights. Without either (a forward without
-    the pool: warm-up, probe) it is transformers' sdpa, with sdpa's mask."""
+    other, as kwarg `step_layout` places them: causal_lm.packed_inputs). Returns [1, T, heads, dim]
+    and no weights. Without a layout (a forward without the pool: warm-up, probe) it is
+    transformers' sdpa, with sdpa's mask."""
     layout: StepLayout | None = kwargs.get("step_layout")
     if layout is None:
-        if "cu_seq_lens_q" not in kwargs:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                          scaling=scaling, **kwargs)
-        layout = StepLayout.of(kwargs["cu_seq_lens_q"].tolist(), kwargs["cu_seq_lens_k"].tolist(), query.device)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     gqa = query.shape[1] != key.shape[1]
     out = [F.scaled_dot_product_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask,
                                           scale=scaling, enable_gqa=gqa)
