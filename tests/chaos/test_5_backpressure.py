@@ -75,7 +75,11 @@ async def test_retry_after_grows_while_the_worker_is_stalled(chaos_stack) -> Non
     chaos_stack.start_gateway()
     worker = chaos_stack.start_worker()
     await chaos_stack.wait_ready()
-    async with Load(chaos_stack.url, clients=30, timeout_ms=20_000) as load:
+    # The probes of the stall have a connection of their own: the 30 clients' requests queued
+    # before the stop hold theirs until their deadline, and a probe waiting for one of those would
+    # reach the gateway only then (after 10 s without demand or reply: an idle gateway's answer).
+    async with Load(chaos_stack.url, clients=30, timeout_ms=20_000) as load, \
+            Load(chaos_stack.url, clients=1, timeout_ms=20_000) as probe:
         clients = asyncio.ensure_future(load.run_for(3))
         await asyncio.sleep(2.5)
         worker.send_signal(signal.SIGSTOP)
@@ -84,7 +88,7 @@ async def test_retry_after_grows_while_the_worker_is_stalled(chaos_stack) -> Non
         stalled: list[int] = []
         try:
             while time.monotonic() - stopped < 12:
-                result = await load.request()
+                result = await probe.request()
                 if result.status == 429 and result.retry_after:
                     stalled.append(int(result.retry_after))
                 await asyncio.sleep(1)
