@@ -35,23 +35,24 @@ ATTENTION = "vramguard_packed_sdpa"
 
 @dataclass(frozen=True, slots=True)
 class StepLayout:
-    """Each sequence of a packed step: its queries q0:q1 on the step's token axis, its keys k0:k1 on
-    the axis of the context read back, and the causal mask of a chunk of more than one query (None
-    for a decode: one query sees every key). Passed to every layer as the `step_layout` keyword."""
+    """Each sequence of a packed step, in the step's order: how many of the step's tokens are its
+    queries, how many keys of the context read back are its own, and the causal mask of a chunk of
+    more than one query (None for a decode: one query sees every key). Passed to every layer as the
+    `step_layout` keyword."""
 
-    spans: tuple[tuple[int, int, int, int], ...]
+    queries: list[int]
+    keys: list[int]
     masks: tuple[torch.Tensor | None, ...]
 
     @classmethod
     def of(cls, cu_q: Sequence[int], cu_k: Sequence[int], device: str | torch.device) -> StepLayout:
         """From the cumulative query and key lengths ([sequences + 1] each). Each sequence's queries are
         the last of its keys' positions: the mask is causal aligned to the bottom right."""
-        spans = tuple(zip(cu_q, cu_q[1:], cu_k, cu_k[1:], strict=False))
-        masks = tuple(
-            torch.ones((q1 - q0, k1 - k0), dtype=torch.bool, device=device).tril(diagonal=(k1 - k0) - (q1 - q0))
-            if q1 - q0 > 1 else None
-            for q0, q1, k0, k1 in spans)
-        return cls(spans, masks)
+        queries = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
+        keys = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+        masks = tuple(torch.ones((q, k), dtype=torch.bool, device=device).tril(diagonal=k - q) if q > 1 else None
+                      for q, k in zip(queries, keys, strict=True))
+        return cls(queries, keys, masks)
 
 
 def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -66,9 +67,11 @@ def packed_sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     gqa = query.shape[1] != key.shape[1]
-    out = [F.scaled_dot_product_attention(query[:, :, q0:q1], key[:, :, k0:k1], value[:, :, k0:k1], attn_mask=mask,
-                                          scale=scaling, enable_gqa=gqa)
-           for (q0, q1, k0, k1), mask in zip(layout.spans, layout.masks, strict=True)]
+    # One split a tensor, not three slicings a sequence: at 32 decoding sequences the views cost
+    # about as much as the attention (measured: a layer's attention 1.0-1.2 -> 0.8 ms).
+    out = [F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+           for q, k, v, mask in zip(torch.split(query, layout.queries, dim=2), torch.split(key, layout.keys, dim=2),
+                                    torch.split(value, layout.keys, dim=2), layout.masks, strict=True)]
     return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
