@@ -4,6 +4,8 @@ through a gateway process and a synthetic-LM worker process (worker/generate/syn
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -65,3 +67,40 @@ async def test_streamed_generations_are_counted_under_how_their_stream_ended(sta
     took = value(samples, "vramguard_request_duration_seconds_sum", model=MODEL, outcome="deadline_exceeded")
     assert took is not None and took >= DEADLINE_MS / 1000, took
     assert value(samples, "vramguard_requests_in_flight", model=MODEL) == 0
+
+
+@pytest.mark.slow  # two processes' start and a 10 s generation cut short: about 15 s on 2 busy cores
+@pytest.mark.timeout(180)
+async def test_a_client_gone_before_the_stream_starts_is_counted_and_its_generation_cancelled(
+        stack: Stack, tmp_path: Path) -> None:
+    """1. A client sends a streamed completion of 200 tokens (10 s at 50 ms a step) over a raw socket
+       and closes it at once, before any response (the first token comes in ~50 ms, mostly before
+       the gateway watches the connection: then it learns of the leaving as the response starts).
+    2. A second request, read to its end, shows the gateway still serves.
+    Result: within 5 s the first request is counted as the client's leaving (cancelled when its
+    response had started, client_disconnected when the wait for the first token saw it), none of
+    the model's is left in flight and the worker reports the sequence cancelled, well before its
+    200 tokens' 10 s."""
+    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
+    common = {"models_file": str(models), "served_models": MODEL}
+    stack.start_gateway(**common)
+    stack.start_worker(model=MODEL, **common)
+    await stack.wait_ready()
+    body = json.dumps({"model": MODEL, "prompt": "a bb ccc", "max_tokens": 200, "stream": True}).encode()
+    _, writer = await asyncio.open_connection("127.0.0.1", stack.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+    writer.close()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        assert (await _events(http, 3))[-1] == "data: [DONE]"
+
+        async def settled() -> bool:
+            samples, _ = await scrape(http)
+            workers = (await http.get(f"/v1/models/{MODEL}")).json()["workers"]
+            gone = sum(value(samples, "vramguard_requests_total", model=MODEL, outcome=outcome) or 0
+                       for outcome in ("cancelled", "client_disconnected"))
+            return (gone == 1 and value(samples, "vramguard_requests_in_flight", model=MODEL) == 0
+                    and next(iter(workers.values()))["generation"]["cancelled"] == 1)
+
+        await wait_until(settled, 5)
