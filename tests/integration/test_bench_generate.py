@@ -22,7 +22,11 @@ def quick_records(tmp_path: Path, system: str) -> list[dict[str, object]]:
 
 
 def assert_quick_shape(records: list[dict[str, object]], max_tokens_asked: str) -> dict[str, object]:
-    """The fixed points generated tokens and timed them; returns the mixed record."""
+    """The time-to-first-token probes and the fixed points generated tokens and timed them;
+    returns the mixed record."""
+    (probed,) = [r for r in records if r["workload"] == "ttft"]
+    assert probed["probes"] == QUICK_WORKLOAD.ttft_probes
+    assert 0 < float(probed["ttft_median_ms"]) <= float(probed["ttft_p90_ms"])  # type: ignore[arg-type]
     fixed = [r for r in records if r["workload"] == "fixed"]
     assert [r["concurrency"] for r in fixed] == list(QUICK_WORKLOAD.concurrencies)
     for r in fixed:

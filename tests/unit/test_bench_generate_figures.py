@@ -95,3 +95,20 @@ def test_section_shows_the_mixed_workload_and_the_load() -> None:
     mixed_row = "| 0 | vllm-cpu | 32 | 10885 | room left | 500 | 30.0 | 5000.0 | 9000.0 | 8704 | 95.0% | 20.0 / 21.0 |"
     assert mixed_row in text
     assert "| vllm-cpu | 32 | 100.0 | 4000.0 | 6000.0 | 1 |" in text  # the fixed medians carry the p90
+
+
+def test_time_to_first_token_at_one_uses_the_probes_when_a_run_has_them() -> None:
+    """The c=1 target compares each round's probe medians (in-process 50 and 52 ms, vramguard 55 and
+    63: +5 and +11, median +8, met), not the c=1 point's one request (+8 and +14, median +11,
+    missed), and the section lists the probes' medians per system."""
+    run = records() + [{"suite": "generate", "config": system, "pair": round_, "workload": "ttft", "concurrency": 1,
+                        "max_tokens": 1, "probes": 9, "torch_threads": 1, "ttft_median_ms": ttft,
+                        "ttft_p90_ms": ttft + 5}
+                       for round_, figures in enumerate(({"in-process": 50.0, "vramguard": 55.0},
+                                                         {"in-process": 52.0, "vramguard": 63.0}))
+                       for system, ttft in figures.items()]
+    rows = {row[0]: row[1:] for row in verdict_rows(run)}
+    label = "time to first token at c=1 <= the in-process figure + 10 ms (median of each round's one-token probes)"
+    assert rows[label] == ["+8.0 ms (min/med/max 5.00 / 8.00 / 11.00 ms over 2 rounds)", "**met**"]
+    text = section(run)
+    assert "| vramguard | 9 | 59.0 | 64.0 | 2 |" in text and "| in-process | 9 | 51.0 | 56.0 | 2 |" in text
