@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.helpers import Stack, synthetic_lm_models, wait_until
-from tests.integration.test_metrics import scrape, value
+from tests.integration.test_metrics import matching, scrape, value
 
 MODEL = "simlm"
 STEP_MS = 50.0
@@ -104,3 +105,29 @@ async def test_a_client_gone_before_the_stream_starts_is_counted_and_its_generat
                     and next(iter(workers.values()))["generation"]["cancelled"] == 1)
 
         await wait_until(settled, 5)
+
+
+@pytest.mark.slow  # two processes' start: about 10 s on 2 busy cores
+@pytest.mark.timeout(180)
+async def test_time_to_first_token_counts_from_the_workers_admission(stack: Stack, tmp_path: Path) -> None:
+    """One completion of 3 tokens (50 ms a step), timed by the client.
+    Result: /metrics' time to first token has one observation, no longer than the client's whole
+    request (it was the time since the machine booted: a sequence's admission time was never set)."""
+    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
+    common = {"models_file": str(models), "served_models": MODEL}
+    stack.start_gateway(**common)
+    stack.start_worker(model=MODEL, **common)
+    await stack.wait_ready()
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        started = time.monotonic()
+        assert (await _events(http, 3))[-1] == "data: [DONE]"
+        took_s = time.monotonic() - started
+
+        async def observed() -> bool:
+            samples, _ = await scrape(http)
+            return sum(matching(samples, "vramguard_time_to_first_token_seconds_count").values()) == 1
+
+        await wait_until(observed, 20)
+        samples, _ = await scrape(http)
+    ttft_s = sum(matching(samples, "vramguard_time_to_first_token_seconds_sum").values())
+    assert 0 < ttft_s <= took_s, (ttft_s, took_s)

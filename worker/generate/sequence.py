@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vramguard.shared.clock import monotonic_ms
 from vramguard.shared.protocol import EntryId, RequestId
 from vramguard.worker.generate.sampling import SamplingParams
 
@@ -46,7 +47,9 @@ class Sequence:
     prefill_to: int = 0
     read_step: int = 0  # the worker's step count when it read the request (steps to its first token)
     resumed: bool = False
-    started_ms: float = 0.0  # monotonic, when admitted
+    # Monotonic ms, when the worker took it from the stream (or resumed it): its time to first token
+    # counts from here.
+    started_ms: float = field(default_factory=monotonic_ms)
     first_token_ms: float | None = None  # monotonic, when its first chunk was written
     last_chunk_ms: float = 0.0
 
