@@ -36,6 +36,15 @@ async def _events(http: httpx.AsyncClient, max_tokens: int, *, headers: dict[str
     return lines
 
 
+async def _serve_simlm(stack: Stack, tmp_path: Path) -> None:
+    """A gateway and one synthetic-LM worker (STEP_MS a step, a 512-token window), ready."""
+    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
+    common = {"models_file": str(models), "served_models": MODEL}
+    stack.start_gateway(**common)
+    stack.start_worker(model=MODEL, **common)
+    await stack.wait_ready()
+
+
 @pytest.mark.slow  # two processes' start and three streams: about 20 s on 2 busy cores
 @pytest.mark.timeout(180)
 async def test_streamed_generations_are_counted_under_how_their_stream_ended(stack: Stack, tmp_path: Path) -> None:
@@ -45,11 +54,7 @@ async def test_streamed_generations_are_counted_under_how_their_stream_ended(sta
     Result: /metrics counts one request each under outcome ok, deadline_exceeded and cancelled (they
     used to be counted ok when their first event was sent), the deadline's one timed past its
     deadline, and no request of the model is left in flight."""
-    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
-    common = {"models_file": str(models), "served_models": MODEL}
-    stack.start_gateway(**common)
-    stack.start_worker(model=MODEL, **common)
-    await stack.wait_ready()
+    await _serve_simlm(stack, tmp_path)
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
         whole = await _events(http, 3)
         assert whole[-1] == "data: [DONE]"
@@ -82,11 +87,7 @@ async def test_a_client_gone_before_the_stream_starts_is_counted_and_its_generat
     response had started, client_disconnected when the wait for the first token saw it), none of
     the model's is left in flight and the worker reports the sequence cancelled, well before its
     200 tokens' 10 s."""
-    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
-    common = {"models_file": str(models), "served_models": MODEL}
-    stack.start_gateway(**common)
-    stack.start_worker(model=MODEL, **common)
-    await stack.wait_ready()
+    await _serve_simlm(stack, tmp_path)
     body = json.dumps({"model": MODEL, "prompt": "a bb ccc", "max_tokens": 200, "stream": True}).encode()
     _, writer = await asyncio.open_connection("127.0.0.1", stack.port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
@@ -113,11 +114,7 @@ async def test_time_to_first_token_counts_from_the_workers_admission(stack: Stac
     """One completion of 3 tokens (50 ms a step), timed by the client.
     Result: /metrics' time to first token has one observation, no longer than the client's whole
     request (it was the time since the machine booted: a sequence's admission time was never set)."""
-    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
-    common = {"models_file": str(models), "served_models": MODEL}
-    stack.start_gateway(**common)
-    stack.start_worker(model=MODEL, **common)
-    await stack.wait_ready()
+    await _serve_simlm(stack, tmp_path)
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
         started = time.monotonic()
         assert (await _events(http, 3))[-1] == "data: [DONE]"
