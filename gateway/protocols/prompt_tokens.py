@@ -50,13 +50,21 @@ class PromptTokens:
         self._redis = redis
         self._keys = keys
         self._counters: dict[str, _Counter] = {}
+        self._loading: dict[str, asyncio.Lock] = {}
 
     async def count(self, model: str, prompt: object) -> int | None:
         """The prompt's tokens as `model`'s worker counts them, or None when the gateway cannot count."""
-        counter = self._counters.get(model) or await self._load(model)
+        counter = self._counters.get(model) or await self._load_once(model)
         if counter is None:
             return None
         return await asyncio.to_thread(counter.count, prompt)  # a long prompt takes milliseconds
+
+    async def _load_once(self, model: str) -> _Counter | None:
+        """One build at a time per model, the requests that arrive meanwhile waiting for it: a build
+        holds the GIL for about 0.1 s (a 1.5 MB tokenizer) after a 1 s import, and a cold gateway's
+        burst that built one each starved the event loop past its Redis deadline (503s)."""
+        async with self._loading.setdefault(model, asyncio.Lock()):
+            return self._counters.get(model) or await self._load(model)
 
     async def _load(self, model: str) -> _Counter | None:
         try:
