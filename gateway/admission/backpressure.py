@@ -41,10 +41,14 @@ class ThroughputMeter:
         self._times.extend([now] * n)
         self._expire(now)
 
-    def note_demand(self) -> None:
-        """A request asks to be queued now (admitted or refused)."""
+    def note_demand(self, waiting: int = 0) -> None:
+        """A request asks to be queued now (admitted or refused); `waiting`: how many requests this
+        gateway admitted earlier still wait for their reply. A window without demand and without
+        replies starts a new busy spell only when none wait: requests waiting through a silent window
+        are a stalled worker's, and its rate (under one reply per window) is what Retry-After needs."""
         now = self._clock()
-        if now - self._last_demand > self._window_s and not (self._times and self._times[-1] >= now - self._window_s):
+        replied = bool(self._times) and self._times[-1] >= now - self._window_s
+        if now - self._last_demand > self._window_s and not replied and not waiting:
             self._busy_since = now
         self._last_demand = now
 

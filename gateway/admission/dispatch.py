@@ -165,6 +165,7 @@ class Dispatcher:
         self.answered = 0
         self.failed = 0
         self._throughput = {model: ThroughputMeter() for model in settings.served_models}
+        self._waiting = dict.fromkeys(settings.served_models, 0)  # admitted, reply not yet here (backpressure.py)
         self._admission = redis.register_script(ADMISSION)
         self._ensure_reply = redis.register_script(ENSURE_REPLY_STREAM)
         self._scripts = ScriptBatcher(redis)
@@ -307,11 +308,15 @@ class Dispatcher:
                 await self._admit_within(model, message)
                 self._listener.mark_enqueued(request_id)
                 self.submitted += 1
-                # Queued, batched, run and published: until the reply is here.
-                with child_span("vramguard.reply") as span:
-                    reply = await future
-                    if span is not None:
-                        span.set_attributes(reply_attributes(reply))
+                self._waiting[model] += 1
+                try:
+                    # Queued, batched, run and published: until the reply is here.
+                    with child_span("vramguard.reply") as span:
+                        reply = await future
+                        if span is not None:
+                            span.set_attributes(reply_attributes(reply))
+                finally:
+                    self._waiting[model] -= 1
             self._throughput[model].record()
             return reply
         except TimeoutError as exc:
@@ -356,7 +361,7 @@ class Dispatcher:
         request's wait for its item of the round trip. Raises QueueFullError with a Retry-After
         from this gateway's recent reply rate (gateway/admission/backpressure.py), or RedisError."""
         config = self.config_for(model)
-        self._throughput[model].note_demand()
+        self._throughput[model].note_demand(self._waiting[model])
         with child_span("vramguard.admission", {ATTR_QUEUE_BOUND: config.queue_bound}):
             check = self._reply_check()
             # Grouped: the round trip's admissions for the model are one script call (ADMISSION).

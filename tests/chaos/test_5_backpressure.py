@@ -65,11 +65,13 @@ async def test_queue_bound_answers_429_with_retry_after(chaos_stack, chaos_redis
 async def test_retry_after_grows_while_the_worker_is_stalled(chaos_stack) -> None:
     """1. One worker serves one request at a time in 50 ms (about 20 a second); queue_bound 20.
     2. 30 clients keep sending for 3 s: the queue sits at its bound.
-    3. At 2.5 s the worker is stopped (SIGSTOP) for 12 s, past the rate's 10 s window; a request
-       every second meanwhile.
+    3. At 2.5 s the worker is stopped (SIGSTOP) for 16 s: a request every second for 5 s, then
+       none for 11 s (past the rate's 10 s window: no demand and no reply, the 30 clients'
+       requests still waiting), then one more.
     Result: while the worker drains, a refusal's Retry-After is what the backlog takes at its rate
-    (a second or two); once it stalls, Retry-After grows with the stall, past the draining one, and
-    keeps growing once the window holds no reply (it fell back to 1 s then: no rate known)."""
+    (a second or two); once it stalls, Retry-After grows with the stall, past the draining one,
+    and after the silent window it is at least 10 s (a gateway that took the silence for idleness
+    answered 1 s: no rate known)."""
     chaos_stack.settings.update({"models__synthetic__queue_bound": 20, "models__synthetic__max_batch_size": 1,
                                  "models__synthetic__params": '{"batch_ms": 50}'})
     chaos_stack.start_gateway()
@@ -87,14 +89,18 @@ async def test_retry_after_grows_while_the_worker_is_stalled(chaos_stack) -> Non
         serving = [int(r.retry_after) for r in load.tally.results if r.status == 429 and r.retry_after]
         stalled: list[int] = []
         try:
-            while time.monotonic() - stopped < 12:
+            while time.monotonic() - stopped < 5:
                 result = await probe.request()
                 if result.status == 429 and result.retry_after:
                     stalled.append(int(result.retry_after))
                 await asyncio.sleep(1)
+            await asyncio.sleep(11)
+            after_silence = await probe.request()
         finally:
             worker.send_signal(signal.SIGCONT)
         await clients
-    print(f"Retry-After while draining {sorted(set(serving))}, then stalled {stalled}")
+    print(f"Retry-After while draining {sorted(set(serving))}, then stalled {stalled}, "
+          f"after 11 s of silence {after_silence.status} {after_silence.retry_after}")
     assert serving and stalled, (serving, stalled)
-    assert stalled == sorted(stalled) and stalled[-1] > max(serving) and stalled[-1] >= 10, (serving, stalled)
+    assert stalled == sorted(stalled) and stalled[-1] > max(serving), (serving, stalled)
+    assert after_silence.status == 429 and int(after_silence.retry_after or 0) >= max(10, stalled[-1]), after_silence

@@ -60,6 +60,28 @@ def test_retry_after_grows_with_the_backlog_and_with_a_stalled_worker() -> None:
     assert stalled == sorted(stalled) and stalled[0] > serving[1] and stalled[-1] == MAX_RETRY_AFTER_S, stalled
 
 
+def test_a_silent_window_with_requests_waiting_is_a_stall_not_idleness() -> None:
+    """Workers serve 20 requests a second, then stall with 30 of this gateway's requests waiting;
+    the next demand comes after 12 s without demand or reply (the waiting clients hold their
+    connections). Result: the rate is the stall's, under one reply per window, and Retry-After for
+    a depth of 60 the maximum; the same silence with none waiting starts a new busy spell (rate
+    unknown, the minimum)."""
+    clock = Clock()
+    meter = ThroughputMeter(window_s=10, clock=clock)
+    for _ in range(100):
+        clock.now_s += 0.05
+        meter.note_demand(waiting=30)
+        meter.record()
+    clock.now_s += 12
+    meter.note_demand(waiting=30)
+    assert meter.rate_per_s() == pytest.approx(0.1)
+    assert retry_after_s(60, meter.rate_per_s()) == MAX_RETRY_AFTER_S
+    clock.now_s += 12
+    meter.note_demand(waiting=0)
+    assert meter.rate_per_s() is None
+    assert retry_after_s(60, meter.rate_per_s()) == MIN_RETRY_AFTER_S
+
+
 @pytest.mark.parametrize(
     ("depth", "rate", "expected"),
     [
