@@ -90,6 +90,14 @@ def test_version_is_the_installed_packages(vramguard: Callable[..., Ran]) -> Non
     assert done.returncode == 0 and done.stdout.strip() == f"vramguard {importlib.metadata.version('vramguard')}", done
 
 
+def test_python_dash_m_vramguard_is_the_vramguard_command() -> None:
+    """`python -m vramguard --help` runs the console script's entry point and prints its usage."""
+    done = subprocess.run([sys.executable, "-m", "vramguard", "--help"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: vramguard ") and " up " in done.stdout, done.stdout
+
+
 def test_profile_is_a_subcommand_with_its_own_help(vramguard: Callable[..., Ran]) -> None:
     done = vramguard("profile", "--help")
     assert done.returncode == 0 and done.stdout.startswith("usage: vramguard profile") and "--model" in done.stdout
