@@ -5,6 +5,7 @@ does not support are refused by name (400), never ignored. Never imports torch.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Literal
 
 from pydantic import (
@@ -145,10 +146,24 @@ class CompletionRequest(Sampling):
         return value
 
 
+def _not_json(raw: bytes, detail: str) -> BadBodyError:
+    """The 400 for a body the strict parser refused. NaN and (-)Infinity, which Python's json module
+    writes and RFC 8259 (section 6) leaves out, get their own message: the parser's "expected value"
+    there reads as if the body were garbled."""
+    fault = json_fault(detail)
+    try:
+        from_json(raw, allow_inf_nan=True)
+    except ValueError:
+        return BadBodyError(f"body is not valid JSON: {fault}")
+    where = re.search(r"at line \d+ column \d+", fault)
+    return BadBodyError("body is not valid JSON: NaN and Infinity are not JSON numbers (RFC 8259)"
+                        f"{' ' + where.group() if where else ''}; send a finite number")
+
+
 def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     """The body of a chat ("chat") or completions ("text") request.
 
-    Raises BadBodyError (400) for a body that is not UTF-8 JSON or not an object, or that names a
+    Raises BadBodyError (400) for a body that is not JSON (NaN and Infinity named) or not an object, or that names a
     parameter this server does not support; InvalidInputError (400 on these routes) for a value
     out of range or of the wrong type, naming the field.
     """
@@ -157,7 +172,7 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
         # no tokenizer can encode, and answers nesting past its limit instead of RecursionError.
         data = from_json(raw, allow_inf_nan=False)  # NaN and Infinity are not JSON (RFC 8259)
     except ValueError as exc:
-        raise BadBodyError(f"body is not UTF-8 JSON: {json_fault(str(exc))}") from None
+        raise _not_json(raw, str(exc)) from None
     if not isinstance(data, dict):
         raise BadBodyError("body must be a JSON object")
     allowed = CHAT_KEYS if kind == "chat" else TEXT_KEYS

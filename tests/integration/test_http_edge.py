@@ -263,6 +263,27 @@ async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: ht
             assert "surrogate pair" in error["message"], error["message"]
 
 
+async def test_nan_and_infinity_are_named_as_json_has_no_such_constant(gateway: httpx.AsyncClient) -> None:
+    """A body that is, or holds, NaN or (-)Infinity is UTF-8: the OpenAI routes' 400 names the
+    constant as what JSON lacks, at the parser's line and column, instead of "not UTF-8 JSON"."""
+    bodies = (b"NaN", b"Infinity", b"-Infinity", b'{"model": "smollm2", "prompt": "hi", "temperature": NaN}')
+    for path, body in [(path, body) for path in (CHAT, TEXT) for body in bodies]:
+        response = await gateway.post(path, content=body, headers=JSON)
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "invalid_input", (path, body, response.text)
+        assert error["message"].startswith("body is not valid JSON: NaN and Infinity are not JSON numbers"), error
+        assert "line 1 column" in error["message"] and "UTF-8" not in error["message"], error
+    # The native and v2 routes read NaN as a number and refuse it where it stands, not as encoding.
+    v2 = b'{"inputs": [{"name": "input", "shape": [1], "datatype": "FP64", "data": [NaN]}]}'
+    for path, body in ((INFER, b"NaN"), (INFER, b'{"inputs": [NaN]}'), ("/v2/models/synthetic/infer", b"Infinity"),
+                       ("/v2/models/synthetic/infer", v2)):
+        response = await gateway.post(path, content=body, headers=JSON)
+        error = response.json()["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert response.status_code in (400, 422) and "UTF-8" not in message, (path, response.text)
+        assert "object" in message or "finite" in message, (path, message)
+
+
 async def test_a_lone_surrogate_is_named_on_the_native_and_v2_routes(gateway: httpx.AsyncClient) -> None:
     """A UTF-16 surrogate escape that is not half of a pair: 400 saying so (with the parser's line and
     column), not only the parser's "unexpected end of hex escape" behind "Invalid JSON: "."""
