@@ -182,7 +182,7 @@ def error_body(status: int, code: str, message: str, request_id: str | None,
     the field the error is about (given, else read from the message's head)."""
     kind = "invalid_request_error" if status < 500 else "server_error"
     # Invalid-input messages start with the field they are about ("messages.0.role: ..."); one
-    # about the whole body ("body is not UTF-8 JSON: ...") names none.
+    # about the whole body ("body is not valid JSON: ...") names none.
     field = _FIELD.match(message) if status in (400, 422) and param is None else None
     param = field.group(1) if field else param
     return {"error": {"message": message, "type": kind, "param": param, "code": code, "request_id": request_id}}
