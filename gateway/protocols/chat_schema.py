@@ -163,9 +163,10 @@ def _not_json(raw: bytes, detail: str) -> BadBodyError:
 def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
     """The body of a chat ("chat") or completions ("text") request.
 
-    Raises BadBodyError (400) for a body that is not JSON (NaN and Infinity named) or not an object, or that names a
-    parameter this server does not support; InvalidInputError (400 on these routes) for a value
-    out of range or of the wrong type, naming the field.
+    Raises BadBodyError (400) for a body that is not JSON (NaN and Infinity named) or not an object,
+    or that names a parameter this server does not support; InvalidInputError (400 on these routes)
+    for a value out of range or of the wrong type, naming the field, and for `stream_options`
+    without `stream: true`, as OpenAI answers it.
     """
     try:
         # pydantic's parser, not json.loads: it refuses a lone UTF-16 surrogate ("\ud800"), which
@@ -191,11 +192,15 @@ def parse_body(raw: bytes, kind: str) -> ChatRequest | CompletionRequest:
         given = "" if isinstance(n, int) and not isinstance(n, bool) else f" (the integer 1, not {_json_type(n)})"
         raise BadBodyError(f"n: only n = 1 (one choice) is supported{given}")
     try:
-        return (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
+        request = (ChatRequest if kind == "chat" else CompletionRequest).model_validate(data)
     except ValidationError as exc:
         error = telling_error(exc.errors())
         path = _field_path(data, error["loc"], missing=error["type"] == "missing")
         raise InvalidInputError(f"{path}: {error['msg']}") from None
+    if request.stream_options is not None and not request.stream:  # OpenAI's 400, in its words (vLLM's too)
+        raise InvalidInputError("stream_options: The 'stream_options' parameter is only allowed when 'stream' "
+                                "is enabled.")
+    return request
 
 
 def _is_neutral(key: str, value: object) -> bool:

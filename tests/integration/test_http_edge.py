@@ -5,6 +5,7 @@ internal details, and the API key refused at start when blank."""
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import logging
 import subprocess
@@ -13,9 +14,10 @@ import zlib
 from collections.abc import Callable
 
 import httpx
+import openai
 import pytest
 
-from tests.helpers import ROOT, RedisServer, free_port, gateway_with, service_env, wait_until
+from tests.helpers import ROOT, RedisServer, free_port, gateway_with, service_env, synthetic_lm_models, wait_until
 from vramguard.shared.models import CATALOGUE
 from vramguard.shared.settings import Settings
 
@@ -229,7 +231,7 @@ async def test_generation_bodies_are_refused_naming_the_bodys_own_field(
         # OpenAI's other parameters at null, their default, ask for nothing either.
         neutral = {"logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "tools": None,
                    "top_logprobs": None, "response_format": None, "n": None, "temperature": None, "top_p": None,
-                   "stream": None, "stream_options": {"include_usage": None}, "max_tokens": None}
+                   "stream": None, "stream_options": None, "max_tokens": None}
         # Thousands of unknown keys: the refusal names a few, not all of them back.
         many = await gateway.post(CHAT, json={**CHAT_BODY, **{f"k{i:05}" + "x" * 60: 1 for i in range(5000)}})
         assert many.status_code == 400 and len(many.text) < 2000 and "and 4994 more" in many.text, many.text[:300]
@@ -261,6 +263,36 @@ async def test_v1_not_found_and_unparseable_bodies_are_openai_shaped(gateway: ht
         assert error["param"] is None and "JSON" in error["message"] and error["code"] == "invalid_input"
         if b"\\ud" in body:  # the parser's "unexpected end of hex escape" alone does not say what is wrong
             assert "surrogate pair" in error["message"], error["message"]
+
+
+async def test_stream_options_without_stream_is_openai_400(settings_factory, start_worker, tmp_path) -> None:
+    """The real `openai` client against an in-process gateway and synthetic-LM worker: `stream_options`
+    without `stream: true` (false, or left out) is 400 invalid_request_error with param stream_options
+    and OpenAI's message, on both routes; with `stream: true` it still streams the usage chunk."""
+    settings = settings_factory(models_file=str(synthetic_lm_models(tmp_path, window=64)), served_models="simlm")
+    await start_worker(model="simlm", models_file=settings.models_file, served_models="simlm")
+    async with gateway_with(settings) as http:
+        await wait_until(lambda: _ready(http), 60)
+        client = openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
+        chat = {"model": "simlm", "messages": [{"role": "user", "content": "a bb"}], "max_tokens": 2}
+        text = {"model": "simlm", "prompt": "a bb", "max_tokens": 2}
+        usage = {"include_usage": True}
+        for create, body, stream in itertools.product(
+                (client.chat.completions.create, client.completions.create), ({}, {"stream": False}), (usage, {})):
+            kw = chat if create == client.chat.completions.create else text
+            with pytest.raises(openai.BadRequestError) as caught:
+                await create(**kw, **body, stream_options=stream)  # type: ignore[call-overload]
+            error = caught.value
+            assert error.code == "invalid_input" and error.param == "stream_options", error.body
+            assert error.type == "invalid_request_error", error.body
+            assert "The 'stream_options' parameter is only allowed when 'stream' is enabled." in error.message
+        for create, kw in ((client.chat.completions.create, chat), (client.completions.create, text)):
+            chunks = [chunk async for chunk in await create(**kw, stream=True, stream_options=usage)]
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 2, chunks[-1]
+
+
+async def _ready(http: httpx.AsyncClient) -> bool:
+    return (await http.get("/health/ready")).status_code == 200
 
 
 async def test_nan_and_infinity_are_named_as_json_has_no_such_constant(gateway: httpx.AsyncClient) -> None:
