@@ -4,6 +4,7 @@ translates its body into (inputs, parameters, timeout) and the reply back into i
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import cast
@@ -17,11 +18,15 @@ from vramguard.gateway.edge.checks import ClientGoneError, check_parameters
 from vramguard.gateway.edge.disconnect import unless_disconnected
 from vramguard.gateway.observe.metrics import RequestRecord
 from vramguard.gateway.protocols.schemas import check_blob, check_input_count, validate_inputs, validate_token_inputs
-from vramguard.shared.errors import InvalidInputError
+from vramguard.shared.errors import InvalidInputError, VramguardError
 from vramguard.shared.models import InputKind, ModelSpec
 from vramguard.shared.protocol import ReplyMessage, RequestId, new_request_id
 from vramguard.shared.settings import Settings
 from vramguard.shared.tracing import server_span
+
+# The `model` label of a request to a model not served here, or refused before its body named one:
+# one series, whatever string the client sent (a label value per made-up name would grow without bound).
+UNSERVED_MODEL = ""
 
 
 def dispatcher_of(request: Request) -> Dispatcher:
@@ -55,14 +60,30 @@ def request_id_of(request: Request) -> RequestId:
 
 @contextmanager
 def inference_request(request: Request, model: str) -> Iterator[RequestRecord]:
-    """Check the model is served, and count, time and log the request under its outcome and its
-    id (`request_id_of`; gateway/observe/metrics.py), under the request's trace span when tracing is on
-    (shared/tracing.py: continuing the client's `traceparent`)."""
+    """Count, time and log the request under its outcome and its id (`request_id_of`;
+    gateway/observe/metrics.py), under the request's trace span when tracing is on (shared/tracing.py:
+    continuing the client's `traceparent`); a model this gateway does not serve is its 404
+    (ModelNotFoundError), counted under the `model` label UNSERVED_MODEL."""
     request_id = request_id_of(request)
-    dispatcher_of(request).check_model(model)
-    with request.app.state.metrics.track(model) as record, server_span(request.headers, model, request_id):
+    label = model if model in settings_of(request).served_models else UNSERVED_MODEL
+    with request.app.state.metrics.track(label) as record, server_span(request.headers, label, request_id):
         record.request_id = request_id
+        dispatcher_of(request).check_model(model)
         yield record
+
+
+@contextmanager
+def body_checks(request: Request) -> Iterator[None]:
+    """The checks a route makes before its body names the model (media type, size, JSON, fields): a
+    refusal (VramguardError) is counted, timed and logged under model UNSERVED_MODEL and its code.
+    Nothing is counted when they pass: `inference_request` counts the request from there."""
+    request_id = request_id_of(request)
+    started = time.perf_counter()
+    try:
+        yield
+    except VramguardError as exc:
+        request.app.state.metrics.refused(UNSERVED_MODEL, exc, request_id, time.perf_counter() - started)
+        raise
 
 
 async def submit(

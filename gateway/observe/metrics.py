@@ -109,6 +109,12 @@ class GatewayMetrics:
         (re-raised), "cancelled", or "internal" for anything else."""
         return RequestTracking(self, model)
 
+    def refused(self, model: str, exc: VramguardError, request_id: str, elapsed_s: float) -> None:
+        """Count, time and log a request that `exc` refused before `track` began (its body was
+        unreadable or invalid before it named a model), under `model` and the error's code."""
+        record = RequestRecord(model, request_id=request_id, error_detail=exc.detail)
+        self._finish(record, exc.code, elapsed_s)
+
     def _finish(self, record: RequestRecord, outcome: str, elapsed_s: float) -> None:
         model = record.model
         if outcome == "ok" and model in self._ok:

@@ -23,7 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from vramguard.gateway.admission.replies import ReplyStream
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.edge.disconnect import unless_disconnected
-from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of
+from vramguard.gateway.inference import body_checks, check_json_cost, dispatcher_of, inference_request, settings_of
 from vramguard.gateway.observe.metrics import RequestRecord
 from vramguard.gateway.protocols.chat_schema import ChatRequest, CompletionRequest, parse_body
 from vramguard.gateway.protocols.chunks import TextJoin
@@ -66,10 +66,11 @@ async def completions(request: Request, x_request_timeout_ms: Annotated[str | No
 
 
 async def _serve(request: Request, kind: str, timeout_ms: int | None) -> Response:
-    require_media_type(request, {JSON})
-    raw = await read_body(request, settings_of(request).max_body_bytes)
-    await check_json_cost(request, raw)  # before json.loads: 8 MiB of `[],` is a second of the loop's time
-    body = parse_body(raw, kind)
+    with body_checks(request):
+        require_media_type(request, {JSON})
+        raw = await read_body(request, settings_of(request).max_body_bytes)
+        await check_json_cost(request, raw)  # before json.loads: 8 MiB of `[],` is a second of the loop's time
+        body = parse_body(raw, kind)
     with inference_request(request, body.model) as record:
         settings = settings_of(request)
         spec = settings.spec_for(body.model)

@@ -21,7 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
 
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
-from vramguard.gateway.inference import check_json_cost, inference_request, settings_of, submit
+from vramguard.gateway.inference import body_checks, check_json_cost, inference_request, settings_of, submit
 from vramguard.gateway.protocols.chat_schema import telling_error
 from vramguard.gateway.protocols.openapi import error_responses, request_body
 from vramguard.gateway.protocols.render import FastJSONResponse
@@ -88,11 +88,12 @@ async def embeddings(
 ) -> Response:
     """One embedding per input, in order, as floats or base64 of little-endian float32.
     X-Request-Timeout-Ms sets the deadline, as on the native route."""
-    timeout_ms = header_timeout(x_request_timeout_ms)
-    require_media_type(request, {JSON})
-    raw = await read_body(request, settings_of(request).max_body_bytes)
-    await check_json_cost(request, raw)
-    body = _parse(raw)
+    with body_checks(request):
+        timeout_ms = header_timeout(x_request_timeout_ms)
+        require_media_type(request, {JSON})
+        raw = await read_body(request, settings_of(request).max_body_bytes)
+        await check_json_cost(request, raw)
+        body = _parse(raw)
     with inference_request(request, body.model) as record:
         spec = settings_of(request).spec_for(body.model)
         if spec.input_kind is not InputKind.TEXT or not spec.outputs:

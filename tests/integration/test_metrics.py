@@ -110,6 +110,40 @@ async def test_metrics_after_known_traffic(gateway, start_worker, redis_client: 
     assert value(samples, "vramguard_worker_oom_events_total", **worker) == 0
 
 
+async def test_refused_requests_are_counted_under_their_code_and_unserved_models_under_one_label(gateway) -> None:
+    """1. Requests naming a model this gateway does not serve (404) on the native, v2, chat and
+       embeddings routes, each under its own made-up name.
+    2. Invalid bodies: on the native and v2 routes of a served model; on the OpenAI routes, bodies that
+       do not parse, fail validation, or ask for stream_options without stream.
+    Result: each is in vramguard_requests_total and the duration histogram under the error body's code;
+    an unserved model, or an OpenAI body refused before it names a served one, under model="", never
+    the client's string."""
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    refused = [
+        ("/v1/models/nope-1/infer", {"inputs": [1]}, 404), ("/v2/models/nope-2/infer", {"inputs": []}, 404),
+        ("/v1/chat/completions", {"model": "nope-3", **chat}, 404),
+        ("/v1/embeddings", {"model": "nope-4", "input": "x"}, 404),
+        ("/v1/models/synthetic/infer", {"inputs": []}, 422), ("/v2/models/synthetic/infer", {"inputs": []}, 400),
+        ("/v1/chat/completions", b"{oops", 400), ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400),
+        ("/v1/chat/completions", {"model": "smollm2", **chat, "stream_options": {"include_usage": True}}, 400),
+        ("/v1/embeddings", {"model": "minilm", "input": 5}, 400),
+    ]
+    for path, body, status in refused:
+        sent = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {
+            "json": body}
+        response = await gateway.post(path, **sent)
+        assert response.status_code == status, (path, response.text)
+    samples, _ = await scrape(gateway)
+
+    assert value(samples, "vramguard_requests_total", model="", outcome="model_not_found") == 4
+    assert value(samples, "vramguard_requests_total", model="", outcome="invalid_input") == 4
+    assert value(samples, "vramguard_requests_total", model="synthetic", outcome="invalid_input") == 2
+    assert value(samples, "vramguard_request_duration_seconds_count", model="", outcome="model_not_found") == 4
+    labels = {dict(lbl)["model"] for lbl in matching(samples, "vramguard_requests_total")}
+    assert not any(name.startswith("nope") for name in labels), labels
+    assert value(samples, "vramguard_requests_in_flight", model="") in (None, 0)
+
+
 MEMORY_FIELDS = {
     "device_kind": "sim", "mem_total_bytes": str(8 << 30), "mem_allocated_bytes": str(1 << 30),
     "mem_reserved_bytes": str(2 << 30), "mem_peak_bytes": str(3 << 29), "mem_budget_bytes": str(6 << 30),
