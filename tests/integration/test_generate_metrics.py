@@ -14,6 +14,7 @@ import pytest
 
 from tests.helpers import Stack, synthetic_lm_models, wait_until
 from tests.integration.test_metrics import matching, scrape, value
+from vramguard.worker.generate.stephold import hold_path
 
 MODEL = "simlm"
 STEP_MS = 50.0
@@ -36,9 +37,10 @@ async def _events(http: httpx.AsyncClient, max_tokens: int, *, headers: dict[str
     return lines
 
 
-async def _serve_simlm(stack: Stack, tmp_path: Path) -> None:
-    """A gateway and one synthetic-LM worker (STEP_MS a step, a 512-token window), ready."""
-    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS})
+async def _serve_simlm(stack: Stack, tmp_path: Path, **params: float) -> None:
+    """A gateway and one synthetic-LM worker (STEP_MS a step, a 512-token window, `params` over
+    those), ready."""
+    models = synthetic_lm_models(tmp_path, window=512, params={"step_ms": STEP_MS, **params})
     common = {"models_file": str(models), "served_models": MODEL}
     stack.start_gateway(**common)
     stack.start_worker(model=MODEL, **common)
@@ -128,3 +130,81 @@ async def test_time_to_first_token_counts_from_the_workers_admission(stack: Stac
         samples, _ = await scrape(http)
     ttft_s = sum(matching(samples, "vramguard_time_to_first_token_seconds_sum").values())
     assert 0 < ttft_s <= took_s, (ttft_s, took_s)
+
+
+async def _complete(http: httpx.AsyncClient, max_tokens: int, prompt: str = "a bb ccc",
+                    headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return await http.post("/v1/completions", json=body, headers=headers or {})
+
+
+def _worker_series(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> dict[str, float]:
+    """The simlm worker's vramguard_worker_* samples, by name (one worker: its labels dropped)."""
+    return {name: v for (name, labels), v in samples.items()
+            if name.startswith("vramguard_worker_") and ("model", MODEL) in labels}
+
+
+@pytest.mark.slow  # two processes' start and about 40 steps of 50 ms: about 15 s on 2 busy cores
+@pytest.mark.timeout(180)
+async def test_a_generative_workers_request_and_batch_counters_follow_its_sequences(
+        stack: Stack, key_prefix: str, tmp_path: Path) -> None:
+    """1. Completions of 3, 5 and (streamed) 4 tokens at once, and one whose prompt is only blanks,
+       which the worker refuses (400).
+    2. A stream of 200 tokens runs; the test holds the worker's next step (stephold.py) and sends
+       a completion with a 300 ms deadline, which waits in the stream and gets 504; the stream's
+       client leaves; the step is released.
+    Result: after 1, the worker's classic series count the generation: 3 requests, 12 items (the
+    tokens generated), 1 error, as many forwards as batches (steps), between 5 (the longest
+    completion's tokens) and 12 of them, its last success recent. After 2: the late completion
+    counted expired (and an error), the stream cancelled, the requests still 3, the items the
+    worker's tokens generated, and the batch size, forward duration and queue delay histograms
+    holding each step and each sequence that ran (all of them stayed 0: only the generation
+    series moved)."""
+    await _serve_simlm(stack, tmp_path, hold_step=1)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        sent_s = time.time()
+        replies = await asyncio.gather(_complete(http, 3), _complete(http, 5), _events(http, 4),
+                                       _complete(http, 2, prompt="   "))
+        assert [r.status_code for r in (replies[0], replies[1], replies[3])] == [200, 200, 400], replies
+        assert [r.json()["usage"]["completion_tokens"] for r in replies[:2]] == [3, 5]
+        assert replies[2][-1] == "data: [DONE]"
+
+        async def served(requests: float, **more: float) -> bool:
+            worker = _worker_series((await scrape(http))[0])
+            return worker.get("vramguard_worker_requests_total") == requests and all(
+                worker.get(f"vramguard_worker_{name}_total") == n for name, n in more.items())
+
+        await wait_until(lambda: served(3, errors=1), 20)
+        worker = _worker_series((await scrape(http))[0])
+        assert worker["vramguard_worker_items_total"] == 12
+        batches = worker["vramguard_worker_batches_total"]
+        assert 5 <= batches <= 12 and worker["vramguard_worker_forwards_total"] == batches, worker
+        assert 1 <= worker["vramguard_worker_last_batch_size"] <= 3
+        assert worker["vramguard_worker_last_ok_time_seconds"] >= sent_s - 1
+
+        hold = Path(hold_path(key_prefix, MODEL))
+        async with http.stream("POST", "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 200,
+                                                                "stream": True}) as stream:
+            lines = stream.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            hold.touch()
+            await wait_until(lambda: Path(f"{hold}.held").exists(), 20)
+            late = await _complete(http, 3, headers={"X-Request-Timeout-Ms": "300"})
+            assert late.status_code == 504, late.text
+        Path(f"{hold}.held").unlink()
+        await wait_until(lambda: served(3, errors=2, expired=1, cancelled=1), 20)
+        workers = (await http.get(f"/v1/models/{MODEL}")).json()["workers"]
+        tokens = next(iter(workers.values()))["generation"]["tokens_generated"]
+        samples, _ = await scrape(http)
+    worker = _worker_series(samples)
+    assert worker["vramguard_worker_items_total"] == tokens > 12
+
+    def histogram(name: str) -> tuple[float, float]:
+        """(count, sum) of the worker's histogram `name`."""
+        return (sum(matching(samples, f"vramguard_{name}_count", model=MODEL).values()),
+                sum(matching(samples, f"vramguard_{name}_sum", model=MODEL).values()))
+
+    assert histogram("batch_size") == (worker["vramguard_worker_batches_total"], tokens)
+    assert histogram("forward_duration_seconds")[0] == worker["vramguard_worker_batches_total"]
+    assert histogram("queue_delay_seconds")[0] == 4  # the sequences that ran: the three and the stream

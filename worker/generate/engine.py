@@ -61,6 +61,7 @@ class Engine:
     running: list[Sequence] = field(default_factory=list)  # holding blocks, in admission order
     waiting: deque[Sequence] = field(default_factory=deque)  # no blocks: new, or preempted (at the head)
     preemptions: int = 0
+    forwards: int = 0  # steps that ran the model, counted before it runs (an out-of-memory one too)
     _admit_blocks: float = DEFAULT_ADMIT_BLOCKS  # running mean of the blocks an admission took
 
     def add(self, seq: Sequence) -> None:
@@ -100,6 +101,7 @@ class Engine:
         chunks = self.schedule()
         if not chunks:
             return []
+        self.forwards += 1
         logits = self.backend.forward_step(self.pool, chunks)  # [len(chunks), vocab], last position of each
         advanced = []
         for chunk in chunks:

@@ -43,7 +43,7 @@ class GenerationLoop:
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
         server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, pool=pool,
                                   threads=worker.threads, on_oom=budget.on_oom, metrics=worker.metrics,
-                                  hang=worker.hang)
+                                  hang=worker.hang, worker_stats=worker.stats)
         loop = cls(worker, server)
         await loop.publish_tokenizer(redis)
         return loop

@@ -42,6 +42,7 @@ from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.generate.window import completion_bound
 from vramguard.worker.health.hang import HangGuard
+from vramguard.worker.health.heartbeat import WorkerStats
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 
@@ -86,7 +87,8 @@ class GenerationServer:
 
     def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan, pool: KVPool,
                  threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
-                 metrics: WorkerMetrics | None = None, hang: HangGuard | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, hang: HangGuard | None = None,
+                 worker_stats: WorkerStats | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self.worker_id = worker_id
@@ -99,6 +101,9 @@ class GenerationServer:
         self._engine = Engine(backend, pool, plan.token_budget, plan.max_running)
         self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
         self.stats = GenerationStats()
+        # The counters every worker reports (vramguard_worker_*), in a generation's terms: a batch is a
+        # step, an item a token generated, a request a finished sequence (docs/reference/metrics.md).
+        self._worker_stats = worker_stats or WorkerStats()
         self._rows = RowCap(plan.max_running, plan.token_budget)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
         self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
@@ -174,6 +179,15 @@ class GenerationServer:
             elif seq is not None:
                 seq.read_step = self.stats.steps
                 self._engine.add(seq)
+                self._note_queued(entry)
+
+    def _note_queued(self, entry: Entry) -> None:
+        """A new sequence's queue delay: from its enqueue to its read here (a reclaimed one's since
+        its first enqueue), as the batch path records a request's."""
+        assert entry.message is not None
+        delay_ms = float(now_ms() - entry.message.enqueued_ms)
+        self._worker_stats.queue_delay_ms_sum += delay_ms
+        self._metrics.observe_batch(0, (delay_ms,), None)
 
     async def _sequence(self, redis: aioredis.Redis, entry: Entry) -> Sequence | None:
         msg = entry.message
@@ -235,21 +249,37 @@ class GenerationServer:
             await self._publish(redis, await self._threads.run(self._resend))
         if self._engine.running or self._engine.waiting:
             ids = [s.request_id for s in self._engine.sequences()]
+            forwards, tokens, started = self._engine.forwards, self.stats.tokens_generated, monotonic_ms()
             try:
                 # Timed as a forward is (worker/health/hang.py): a step that never returns ends the
                 # process, and its sequences are reclaimed and resumed from their progress elsewhere.
                 with self._hang.forward("step", ids):
                     emitted = await self._threads.run(self._compute_or_oom)
             except Exception as exc:  # noqa: BLE001 - the model failed: its sequences get 500, the worker goes on
+                self._count_step(forwards, tokens, started, done=False)
                 log.exception("generation step failed", extra={"error": str(exc)})
                 await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
                 return
+            self._count_step(forwards, tokens, started, done=emitted is not None)
             if emitted is None:
                 await self._after_oom(redis)
                 return
         else:
             emitted = []
         await self._publish(redis, emitted)
+
+    def _count_step(self, forwards: int, tokens: int, started_ms: float, *, done: bool) -> None:
+        """A step in the worker's counters, given the engine's forwards and the tokens generated
+        before it and its start (monotonic ms): each forward it ran (one that failed or ran out of
+        memory too); when it ran to its end, a batch whose items are the tokens it generated, timed
+        from before the thread hop as the batch path times a batch's forwards."""
+        ran = self._engine.forwards - forwards
+        if not done or not ran:
+            self._worker_stats.forwards += ran
+            return
+        items = self.stats.tokens_generated - tokens
+        self._worker_stats.record_batch(items, 0, ran, 0)
+        self._metrics.observe_batch(items, (), monotonic_ms() - started_ms)
 
     def _compute_or_oom(self) -> list[Emitted] | None:
         """A step, or None when it ran out of memory (the exception, and the tensors its traceback
@@ -277,6 +307,7 @@ class GenerationServer:
         if len(seqs) != 1 or tokens > 1:
             return  # queued again, at the head, for fewer rows and tokens
         self.stats.failed += 1
+        self._worker_stats.errors += 1
         seq = seqs[0]
         self._engine.remove({id(seq)})
         reply = ReplyMessage.failure(seq.request_id, InputTooLargeError.code,
@@ -376,6 +407,7 @@ class GenerationServer:
 
     def _record_finish(self, seq: Sequence, now: float) -> None:
         self.stats.finished += 1
+        self._worker_stats.requests += 1
         if seq.first_token_ms is not None and len(seq.generated) > 1:
             self.stats.tpot_count += 1
             self.stats.tpot_ms_sum += (now - seq.first_token_ms) / (len(seq.generated) - 1)
@@ -396,10 +428,13 @@ class GenerationServer:
         for seq, was_cancelled in gone:
             if was_cancelled:
                 self.stats.cancelled += 1
+                self._worker_stats.cancelled += 1
                 seq.finish_reason = "cancelled"
                 replies.append(chunk_reply(seq, "", self.worker_id))
             else:
                 self.stats.failed += 1
+                self._worker_stats.errors += 1
+                self._worker_stats.expired += not seq.generated  # it never had a token: as if it expired queued
                 replies.append(Outgoing(seq.reply_to, ReplyMessage.failure(
                     seq.request_id, DeadlineExceededError.code, "deadline passed while generating",
                     worker_id=self.worker_id)))
@@ -411,12 +446,15 @@ class GenerationServer:
         seqs = list(self._engine.running)  # the step's; the waiting ones did not run
         self._engine.remove({id(s) for s in seqs})
         self.stats.failed += len(seqs)
+        self._worker_stats.errors += len(seqs)
         replies = [Outgoing(s.reply_to, ReplyMessage.failure(s.request_id, ModelError.code, message,
                                                              worker_id=self.worker_id)) for s in seqs]
         await self._finish(redis, replies, [s.entry_id for s in seqs], [], progress_of=seqs)
 
     async def _refuse(self, redis: aioredis.Redis, entry: Entry, code: str, message: str) -> None:
         assert entry.message is not None
+        self._worker_stats.errors += 1
+        self._worker_stats.expired += code == DeadlineExceededError.code
         reply = ReplyMessage.failure(entry.message.request_id, code, message, worker_id=self.worker_id)
         await self._finish(redis, [Outgoing(entry.message.reply_to, reply)], [entry.entry_id], [])
 
