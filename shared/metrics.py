@@ -89,14 +89,19 @@ class FieldMetric:
 
 
 WORKER_FIELDS: tuple[FieldMetric, ...] = (
-    FieldMetric("batches", PREFIX + "worker_batches", "counter", "Batches served."),
-    FieldMetric("forwards", PREFIX + "worker_forwards", "counter", "Forward passes run (a batch may split)."),
-    FieldMetric("requests", PREFIX + "worker_requests", "counter", "Requests served."),
-    FieldMetric("items", PREFIX + "worker_items", "counter", "Items (inputs) served."),
+    # A generative model's worker counts in its own terms (docs/reference/metrics.md): a batch is a step,
+    # an item a token generated, a request a finished sequence.
+    FieldMetric("batches", PREFIX + "worker_batches", "counter", "Batches served (generation: steps)."),
+    FieldMetric("forwards", PREFIX + "worker_forwards", "counter",
+                "Forward passes run (a batch may split; generation: steps, out-of-memory ones too)."),
+    FieldMetric("requests", PREFIX + "worker_requests", "counter", "Requests served (generation: sequences finished)."),
+    FieldMetric("items", PREFIX + "worker_items", "counter", "Items (inputs) served (generation: tokens generated)."),
     FieldMetric("errors", PREFIX + "worker_errors", "counter", "Requests answered with an error."),
-    FieldMetric("expired", PREFIX + "worker_expired", "counter", "Requests whose deadline passed while queued."),
+    FieldMetric("expired", PREFIX + "worker_expired", "counter",
+                "Requests whose deadline passed while queued (generation: before their first token)."),
     FieldMetric("cancelled", PREFIX + "worker_cancelled", "counter",
-                "Requests whose client left before their batch ran (acked, not computed)."),
+                "Requests whose client left before their batch ran (acked, not computed; generation: before "
+                "they finished, stopped at the next step)."),
     FieldMetric("last_batch_size", PREFIX + "worker_last_batch_size", "gauge", "Items in the last batch."),
     FieldMetric("items_per_s", PREFIX + "worker_items_per_second", "gauge", "Items served per second, last minute."),
     FieldMetric("mean_batch_size_1m", PREFIX + "worker_mean_batch_size", "gauge", "Mean items per batch, last minute."),
