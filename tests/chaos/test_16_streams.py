@@ -9,11 +9,15 @@ of whichever worker runs it (worker/generate/stephold.py) to fault it at a known
 2. A failed publish: the worker generating is held mid-step, Redis is shut down (its data saved),
    the step ends and its progress and chunk cannot be written; Redis is back about 5 s later.
 3. A step that never returns: the worker generating is held for good; forward_timeout_s is 3 s.
+4. A device that breaks: from its next step on, every step and probe of the worker generating
+   raises CUDA's illegal-memory-access error (a sticky error: every launch fails after it).
 
 Result: each client's streamed text is exactly the greedy text (each character once, none
 missing); in 1 the stalled worker learns at its next progress write that its entry is gone, stops
 the sequence and stays up, and the sequence finishes once; in 2 the worker's round failed and it
-stayed up; in 3 the held worker exits FORWARD_HUNG and the other finishes the stream.
+stayed up; in 3 the held worker exits FORWARD_HUNG and the other finishes the stream; in 4 the
+broken worker's probe after the failed step fails too, it exits UNHEALTHY without answering the
+sequence, and the other resumes it (no error reaches the client).
 """
 
 from __future__ import annotations
@@ -197,6 +201,32 @@ async def test_a_step_that_never_returns_ends_its_worker_and_another_finishes_th
     assert f.proc(held[0]).returncode == ExitCode.FORWARD_HUNG
     assert "hung; exiting for a restart" in f.log_of(held[0])
     other = next(p.pid for p in f.workers if p.pid != held[0])
+    assert "sequence resumed" in f.log_of(other) and f.proc(other).poll() is None
+
+
+async def test_a_broken_device_ends_its_worker_and_another_finishes_the_stream(
+        stack: Stack, faults: Callable[..., Faults]) -> None:
+    f = faults(stack, 2)
+    await stack.wait_ready()
+    broken: list[int] = []
+
+    async def breaks(stream: Stream) -> None:
+        Path(f.hold + ".break").write_text("")
+        taken = Path(f.hold + ".break.taken")
+        await wait_until(lambda: taken.exists() and taken.read_text().strip() != "", 60)
+        broken.append(int(taken.read_text()))
+        await wait_until(lambda: f.proc(broken[0]).poll() is not None, 60, interval_s=0.2)
+
+    try:
+        stream = await _streaming(stack, breaks)
+    finally:
+        for path in (f.hold + ".break", f.hold + ".break.taken"):
+            Path(path).unlink(missing_ok=True)
+    assert stream.text == _greedy(TOKENS)
+    assert f.proc(broken[0]).returncode == ExitCode.UNHEALTHY
+    log = f.log_of(broken[0])
+    assert "generation step failed" in log and "probe failed" in log and "worker unhealthy" in log
+    other = next(p.pid for p in f.workers if p.pid != broken[0])
     assert "sequence resumed" in f.log_of(other) and f.proc(other).poll() is None
 
 

@@ -43,7 +43,7 @@ class GenerationLoop:
         log.info("KV cache plan", extra={"model": worker.settings.model, **plan.as_dict()})
         server = GenerationServer(worker.settings, worker.backend, worker.worker_id, plan=plan, pool=pool,
                                   threads=worker.threads, on_oom=budget.on_oom, metrics=worker.metrics,
-                                  hang=worker.hang, worker_stats=worker.stats)
+                                  hang=worker.hang, worker_stats=worker.stats, watchdog=worker.watchdog)
         loop = cls(worker, server)
         await loop.publish_tokenizer(redis)
         return loop
@@ -68,6 +68,8 @@ class GenerationLoop:
         loop = asyncio.get_running_loop()
         while True:
             w = self.worker
+            if w.watchdog.unhealthy_reason is not None:
+                return ExitCode.UNHEALTHY  # no grace: never reply from a device we no longer trust
             if w.should_exit:
                 grace_until = grace_until or loop.time() + w.settings.shutdown_grace_s
                 if not self.server.busy:

@@ -43,6 +43,7 @@ from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.generate.window import completion_bound
 from vramguard.worker.health.hang import HangGuard
 from vramguard.worker.health.heartbeat import WorkerStats
+from vramguard.worker.health.watchdog import Watchdog
 from vramguard.worker.metrics import WorkerMetrics
 from vramguard.worker.modelthreads import ModelThreads
 
@@ -88,7 +89,7 @@ class GenerationServer:
     def __init__(self, settings: Settings, backend: Any, worker_id: str, *, plan: KVPlan, pool: KVPool,
                  threads: ModelThreads, on_oom: Callable[[int], None] | None = None,
                  metrics: WorkerMetrics | None = None, hang: HangGuard | None = None,
-                 worker_stats: WorkerStats | None = None) -> None:
+                 worker_stats: WorkerStats | None = None, watchdog: Watchdog | None = None) -> None:
         self._settings = settings
         self._backend = backend
         self.worker_id = worker_id
@@ -104,6 +105,7 @@ class GenerationServer:
         # The counters every worker reports (vramguard_worker_*), in a generation's terms: a batch is a
         # step, an item a token generated, a request a finished sequence (docs/reference/metrics.md).
         self._worker_stats = worker_stats or WorkerStats()
+        self._watchdog = watchdog  # probes the device after a failed step (worker/health/watchdog.py)
         self._rows = RowCap(plan.max_running, plan.token_budget)  # lowered by an OOM inside a step (oom.py)
         self._on_oom = on_oom  # the memory budget's: counts the event and frees the allocator's cache
         self._metrics = metrics or WorkerMetrics("cpu", generates=True)  # the histograms the heartbeat carries
@@ -255,9 +257,11 @@ class GenerationServer:
                 # process, and its sequences are reclaimed and resumed from their progress elsewhere.
                 with self._hang.forward("step", ids):
                     emitted = await self._threads.run(self._compute_or_oom)
-            except Exception as exc:  # noqa: BLE001 - the model failed: its sequences get 500, the worker goes on
+            except Exception as exc:  # noqa: BLE001 - the model failed: the device, or these sequences?
                 self._count_step(forwards, tokens, started, done=False)
                 log.exception("generation step failed", extra={"error": str(exc)})
+                if not await self._device_answers():
+                    return  # never answer from a broken device: the worker exits, the sequences resume elsewhere
                 await self._fail_all(redis, f"generation failed: {type(exc).__name__}: {exc}")
                 return
             self._count_step(forwards, tokens, started, done=emitted is not None)
@@ -267,6 +271,16 @@ class GenerationServer:
         else:
             emitted = []
         await self._publish(redis, emitted)
+
+    async def _device_answers(self) -> bool:
+        """After a failed step, the watchdog's probe on its known-good input: passing, the step's
+        sequences were at fault (they get 500); failing (a sticky CUDA error fails every launch), the
+        watchdog marks the worker unhealthy and it exits with their entries pending and their progress
+        written, for a live worker to reclaim and resume, as after a crash."""
+        if self._watchdog is None:
+            return True
+        await self._watchdog.probe(context="after a generation step failed")
+        return self._watchdog.unhealthy_reason is None
 
     def _count_step(self, forwards: int, tokens: int, started_ms: float, *, done: bool) -> None:
         """A step in the worker's counters, given the engine's forwards and the tokens generated

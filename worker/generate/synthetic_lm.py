@@ -9,7 +9,7 @@ token it reads (transient: the keys and values a real attention reads back); the
 token, taken from the simulated allocator once when the pool is made (kvpool.py's block bookkeeping
 runs on the `meta` device, without storage). step_ms: a sleep per step (no compute); layers: kept
 for older models files (one pool tensor has no per-layer copies). hold_step (tests): 1 lets a test
-hold one step by creating a file (worker/generate/stephold.py). Also the params of every
+hold one step, or break one worker's device, by creating a file (worker/generate/stephold.py). Also the params of every
 generative model (kvplan.GENERATION_PARAMS).
 """
 
@@ -28,7 +28,7 @@ from vramguard.shared.settings import Settings
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import GENERATION_PARAMS
 from vramguard.worker.generate.kvpool import KVPool
-from vramguard.worker.generate.stephold import StepHold, hold_path
+from vramguard.worker.generate.stephold import DeviceBreak, StepHold, hold_path
 from vramguard.worker.memory import simdevice
 from vramguard.worker.memory.simdevice import SimDevice
 
@@ -45,7 +45,8 @@ class SyntheticLMBackend:
 
     def __init__(self, config: ModelConfig, device: str, settings: Settings) -> None:
         params = dict(config.params)
-        self._hold = StepHold(hold_path(settings.key_prefix, settings.model) if params.pop("hold_step", 0) else None)
+        hold = hold_path(settings.key_prefix, settings.model) if params.pop("hold_step", 0) else None
+        self._hold, self._break = StepHold(hold), DeviceBreak(hold and hold + ".break")
         unknown = set(params) - set(DEFAULTS) - GENERATION_PARAMS
         if unknown:
             raise ValueError(f"{settings.model}: unknown params {sorted(unknown)}; known: {sorted(DEFAULTS)}")
@@ -88,6 +89,7 @@ class SyntheticLMBackend:
 
     def forward(self, batch: object) -> object:
         rows: list[list[int]] = batch  # type: ignore[assignment]
+        self._break()
         with self._step_memory(len(rows) * max(len(r) for r in rows)):
             time.sleep(self.step_ms / 1000)
         return [self._next(r[-1]) for r in rows]
@@ -133,6 +135,7 @@ class SyntheticLMBackend:
         computed = sum(len(c.tokens) for c in chunks)
         read = sum(c.past for c in chunks)
         self._hold()
+        self._break()
         with self._step_memory(computed, read):
             time.sleep(self.step_ms / 1000)
         return self._logits([c.tokens[-1] for c in chunks])
