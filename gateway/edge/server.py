@@ -12,9 +12,12 @@ Limits (Settings, `http_*`):
     connections: past the cap, a new connection takes the place of the connection that has been
         sending its headers the longest (408 and close: slowloris holds the cap with headers a byte
         a second, and a well-behaved client or a /health/* probe sends its headers within
-        milliseconds, so it is never that one); only when no connection is within its headers
-        (every one has a request being served, or is kept alive idle) is the new one closed at
-        once, before reading a byte.
+        milliseconds, so it is never that one); when none is within its headers, it takes the place
+        of the connection kept alive idle the longest (closed, as its keep-alive timeout would:
+        nginx likewise reuses idle keep-alive connections when it runs out, and a client's pool
+        opens a new one; else a thousand idle sockets would lock every client and probe out for
+        `http_keep_alive_s`); only when every connection has a request being served is the new one
+        closed at once, before reading a byte.
     headers: more than `http_max_headers` headers, or more than `http_max_header_bytes` of request
         line and headers together, get 431 and close.
     keep-alive: an idle kept-alive connection is closed after `http_keep_alive_s` (uvicorn's).
@@ -74,7 +77,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             shortest_s = min(self.settings.http_header_timeout_s, self.settings.http_body_timeout_s)
             cls.deadlines = CoarseTimers(self.loop, shortest_s / CHECKS_PER_DEADLINE)
             cls.heads = {}
-        if len(self.connections) > self.settings.http_max_connections and not self._evict_slowest_head():
+        if len(self.connections) > self.settings.http_max_connections and not (
+                self._evict_slowest_head() or self._evict_idlest()):
             log.debug("connection refused: at the cap", extra={"connections": len(self.connections)})
             transport.close()
             return
@@ -92,6 +96,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         slowest = next(iter(self.heads))
         log.debug("at the connection cap: closing the slowest head", extra={"client": slowest.client})
         slowest._refuse(b"408 Request Timeout")
+        return True
+
+    def _evict_idlest(self) -> bool:
+        """Close the connection kept alive idle the longest (uvicorn arms its keep-alive timer when
+        a response completes and cancels it at the next request's first byte: the earliest timer is
+        the longest idle), to make room at the cap; False when none is idle. Scans the connections:
+        only past the cap."""
+        idle = [c for c in self.connections
+                if isinstance(c, HttpToolsProtocol) and c.timeout_keep_alive_task is not None]
+        if not idle:
+            return False
+        idlest = min(idle, key=lambda c: c.timeout_keep_alive_task.when())  # type: ignore[union-attr]
+        log.debug("at the connection cap: closing the longest idle", extra={"client": idlest.client})
+        idlest.timeout_keep_alive_handler()
         return True
 
     def _arm_head(self) -> None:

@@ -6,6 +6,7 @@ counted under their own outcome with no traceback in the log."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
 import resource
 import socket
@@ -24,7 +25,12 @@ LIMITS = {"http_header_timeout_s": 1, "http_body_timeout_s": 1, "http_max_connec
 
 @pytest.fixture
 def gateway(stack: Stack) -> Iterator[Stack]:
-    stack.start_gateway(**LIMITS)
+    yield started(stack, **LIMITS)
+
+
+def started(stack: Stack, **limits: object) -> Stack:
+    """`stack` with its gateway started under `limits`, once it answers /health/live."""
+    stack.start_gateway(**limits)
 
     def up() -> bool:
         try:
@@ -36,7 +42,7 @@ def gateway(stack: Stack) -> Iterator[Stack]:
     while not up():
         assert time.monotonic() < deadline, stack.logs()
         time.sleep(0.1)
-    yield stack
+    return stack
 
 
 def connect(stack: Stack) -> socket.socket:
@@ -146,6 +152,34 @@ def test_at_the_cap_a_new_connection_takes_the_place_of_the_slowest_head(gateway
             probe.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert read_all(probe).startswith(b"HTTP/1.1 200")
         assert read_all(held[0]).startswith(b"HTTP/1.1 408")
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def served(sock: socket.socket) -> int:
+    """The status of one response on a kept-alive `sock` (its body read, the connection left open)."""
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    response.read()
+    return response.status
+
+
+def test_at_the_cap_a_new_connection_takes_the_place_of_the_longest_idle_one(stack: Stack) -> None:
+    """Every connection at the cap is kept alive idle after a request (keep-alive 30 s): a new
+    one is served, the connection idle the longest is closed, and a later-idle one still serves."""
+    gateway = started(stack, **{**LIMITS, "http_keep_alive_s": 30})
+    held = [connect(gateway) for _ in range(LIMITS["http_max_connections"])]
+    try:
+        for sock in held:
+            sock.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert served(sock) == 200
+        with connect(gateway) as probe:
+            probe.sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            assert read_all(probe).startswith(b"HTTP/1.1 200")
+        assert read_all(held[0]) == b""  # closed by the server, as its keep-alive timeout would
+        held[-1].sendall(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert served(held[-1]) == 200
     finally:
         for sock in held:
             sock.close()
