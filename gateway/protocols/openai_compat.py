@@ -18,7 +18,7 @@ from typing import Annotated, Literal
 import numpy as np
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictBool, StrictInt, StrictStr, ValidationError
 
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.inference import body_checks, check_json_cost, inference_request, settings_of, submit
@@ -48,7 +48,7 @@ class EmbeddingsRequest(BaseModel):
     encoding_format: Literal["float", "base64"] | None = None  # null, OpenAI's default: float
     dimensions: StrictInt | None = None
     user: StrictStr | None = None
-    truncate: bool = False
+    truncate: StrictBool = False  # "yes" or 1 is refused, as the native route refuses them
 
 
 class OpenAIErrorDetail(BaseModel):

@@ -92,6 +92,9 @@ async def test_parameters_are_the_models_declared_ones(gateway: httpx.AsyncClien
     assert wrong_type.status_code == 422 and "boolean" in wrong_type.text
     declared = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncate": True}})
     assert declared.status_code == 503  # past the checks
+    for value in ("yes", 1):  # the OpenAI route's truncate is as strict as the native one
+        wrong = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": "a", "truncate": value})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "truncate", wrong.text
 
 
 async def test_trailing_slash_is_404_in_the_error_format_not_a_redirect(gateway: httpx.AsyncClient) -> None:
