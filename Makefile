@@ -39,7 +39,8 @@ TRITON_PYTHON ?= /usr/bin/python3.11
 help:
 	@echo "make up [MODEL=minilm|smollm2|efficientnet|synthetic|/path/to/hf-folder] [SERVED_NAME=...] [DTYPE=float32]"
 	@echo "        [GPUS=all|0,1] [WORKERS_PER_GPU=N] [GATEWAYS=N]"
-	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000]  start Redis, gateway and workers (foreground;"
+	@echo "        [PLACEMENT=deploy/placement.example.toml] [PORT=8000] [REDIS_PORT=6379]"
+	@echo "                                               start Redis, gateway and workers (foreground;"
 	@echo "                                               logs in .run/PORT/): vramguard up"
 	@echo "make down / make status [PORT=8000]            stop / show the stack of .run/PORT/; without PORT, the only"
 	@echo "                                               stack that runs, or a list to choose from (vramguard down/status)"
@@ -74,7 +75,8 @@ $(VENV)/.test-installed: pyproject.toml docs/requirements.txt | $(VENV)/.install
 up: $(VENV)/.installed
 	$(BIN)/vramguard up --model $(MODEL) --workers-per-gpu $(WORKERS_PER_GPU) --gateways $(GATEWAYS) \
 		--port $(PORT) --run-dir $(RUN_DIR) $(if $(GPUS),--gpus "$(GPUS)") $(if $(PLACEMENT),--placement "$(PLACEMENT)") \
-		$(if $(SERVED_NAME),--served-name "$(SERVED_NAME)") $(if $(DTYPE),--dtype "$(DTYPE)")
+		$(if $(SERVED_NAME),--served-name "$(SERVED_NAME)") $(if $(DTYPE),--dtype "$(DTYPE)") \
+		$(if $(REDIS_PORT),--redis-port $(REDIS_PORT))
 
 # Without PORT, RUN_DIR or VRAMGUARD_PORT, `vramguard down/status` find the stack themselves: the only
 # one that runs (in .run/ or the state dir), or the list of those that do.

@@ -61,6 +61,12 @@ def test_make_up_serves_a_model_folder_with_its_served_name_and_dtype(tmp_path: 
             and '--served-name "chat" --dtype "float32"' in plan), plan
 
 
+def test_make_up_takes_the_embedded_redis_port(tmp_path: Path) -> None:
+    """A second stack on one host needs its own Redis port as well as its own PORT."""
+    plan = dry_run(tmp_path, "", "up", "PORT=8001", "REDIS_PORT=6380")
+    assert "--port 8001 --run-dir .run/8001" in plan and "--redis-port 6380" in plan, plan
+
+
 @pytest.mark.parametrize("target", ["down", "status"])
 def test_make_down_and_status_name_a_run_folder_only_for_a_given_port(tmp_path: Path, target: str) -> None:
     """Without PORT (or RUN_DIR, VRAMGUARD_PORT) `vramguard down/status` find the stack themselves,
