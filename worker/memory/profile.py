@@ -1,11 +1,10 @@
-"""`python -m vramguard.worker.memory.profile --model NAME`: the capacity-planning step made one command. Loads
-the model on a device, measures its own context, weights and peak memory per batch (and per
-sequence length for text), fits peak = fixed + per_item x batch (per token for text) and prints
-the derived limits, then what each worker of a placement on one GPU gets (its share, budget,
-batch limits): `--workers-per-gpu K` splits the watermark evenly, `--share S` (repeatable) gives
-workers explicit shares. As a table or, with --json, as one JSON object. Same code as a worker's
-start (worker/memory/budget.py, worker/memory/plan.py); settings come from VRAMGUARD_* like the worker's,
-flags override them.
+"""`vramguard profile --model NAME` (also `python -m vramguard.worker.memory.profile`): the capacity-planning
+step made one command. Loads the model on a device, measures its own context, weights and peak memory per
+batch (and per sequence length for text), fits peak = fixed + per_item x batch (per token for text) and prints
+the derived limits, then what each worker of a placement on one GPU gets (its share, budget, batch limits):
+`--workers-per-gpu K` splits the watermark evenly, `--share S` (repeatable) gives workers explicit shares. As
+a table or, with --json, as one JSON object. Same code as a worker's start (worker/memory/budget.py,
+worker/memory/plan.py); settings come from VRAMGUARD_* like the worker's, flags override them.
 """
 
 from __future__ import annotations
