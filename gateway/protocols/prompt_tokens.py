@@ -1,18 +1,17 @@
 """Counting a generative model's prompt tokens in the gateway, so that a prompt plus max_tokens
 beyond the model's context window is refused before it is queued. The tokenizer and chat
 template come from Redis, where the model's worker puts them at start (worker/generate/loop.py);
-they are read with the `tokenizers` library and transformers' own chat-template renderer
-(`render_jinja_template`, which imports no torch), exactly as the worker counts. Where those
-libraries are not installed, or no worker has published yet, the count is None and the worker
-checks the window instead (before generating anything). Never imports torch.
+they are read with the worker's own rule (shared/prompt_encoding.py: the `tokenizers` library
+and transformers' chat-template renderer, which import no torch), so both count the same tokens.
+Where those libraries are not installed, or no worker has published yet, the count is None and
+the worker checks the window instead (before generating anything). Never imports torch.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-from typing import Any, cast
+from typing import cast
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -24,23 +23,15 @@ log = logging.getLogger(__name__)
 
 class _Counter:
     def __init__(self, fields: dict[bytes, bytes]) -> None:
-        from tokenizers import Tokenizer
-        from transformers.utils.chat_template_utils import render_jinja_template
+        from vramguard.shared.prompt_encoding import PromptEncoder  # imports tokenizers and transformers
 
-        self._tokenizer = Tokenizer.from_str(fields[b"tokenizer"].decode())
-        self._template = fields[b"chat_template"].decode()
-        self._special: dict[str, Any] = json.loads(fields[b"special"])
-        self._render: Any = render_jinja_template  # annotated -> str, returns (rendered chats, indices)
+        self._encoder = PromptEncoder.from_description({k.decode(): v.decode() for k, v in fields.items()})
 
     def count(self, prompt: object) -> int:
-        """Tokens of a string prompt, or of chat messages rendered with the assistant's turn opened."""
-        if isinstance(prompt, str):
-            text = prompt
-        else:
-            rendered, _ = self._render([prompt], chat_template=self._template, add_generation_prompt=True,
-                                       **self._special)
-            text = str(rendered[0])
-        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        """Tokens of a string prompt, or of chat messages rendered with the assistant's turn opened,
+        by the worker's own rule (shared/prompt_encoding.py: contents as text). Raises
+        InvalidInputError where the worker would refuse the prompt."""
+        return len(self._encoder.encode(cast(str | list[dict[str, str]], prompt)))
 
 
 class PromptTokens:

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
+from vramguard.shared.prompt_encoding import PromptEncoder
 from vramguard.shared.settings import Settings
 from vramguard.worker.generate.attention import ATTENTION, StepLayout
 from vramguard.worker.generate.engine import Chunk
@@ -59,6 +60,7 @@ class CausalLMBackend:
         self.max_step_tokens = int(config.params.get("max_step_tokens", DEFAULT_MAX_STEP_TOKENS))
         self._model: Any = None
         self._tokenizer: Any = None
+        self._prompts: PromptEncoder | None = None
         self.context_window = 0
         self.eos_token_ids: frozenset[int] = frozenset()
 
@@ -70,7 +72,7 @@ class CausalLMBackend:
 
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         folder: Any = self._converted_folder()
-        self._tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.load_tokenizer(folder)
         dtype = getattr(torch, str(self.options.get("dtype", "float32")))  # a folder's: shared/folders.py
         model: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, local_files_only=True)
         self._model = model.to(self.device).eval()
@@ -183,20 +185,26 @@ class CausalLMBackend:
 
     # --- generation ----------------------------------------------------------------------------
 
+    def load_tokenizer(self, folder: Path | None = None) -> None:
+        """The tokenizer alone (`load` calls it first): what `prompt_ids`, `tokenizer_description`
+        and `detokenize` need. `folder`: the model's folder (default: found as `load` finds it)."""
+        self._tokenizer = AutoTokenizer.from_pretrained(folder or self._converted_folder())
+        # built from what the gateway gets, so that both count a prompt with the same inputs and rule
+        self._prompts = PromptEncoder.from_description(self.tokenizer_description())
+
     def prompt_ids(self, value: object, parameters: Mapping[str, object]) -> list[int]:
-        """A request's prompt as token ids: a list of chat messages through the model's chat
-        template (with the assistant's turn opened), or a string as it is. Raises
-        InvalidInputError for anything else (the gateway checks the shape first)."""
-        if isinstance(value, str):
-            ids = self._tokenizer(value, add_special_tokens=False)["input_ids"]
-        elif isinstance(value, list) and all(_is_message(m) for m in value):
-            ids = self._tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=True,
-                                                      return_dict=True)["input_ids"]
+        """A request's prompt as token ids (shared/prompt_encoding.py, the gateway's rule too): a
+        list of chat messages through the model's chat template (with the assistant's turn opened,
+        contents as text), or a string as it is (special tokens parsed). Raises InvalidInputError
+        for anything else (the gateway checks the shape first)."""
+        assert self._prompts is not None, "load_tokenizer first"
+        if isinstance(value, str) or isinstance(value, list) and all(_is_message(m) for m in value):
+            ids = self._prompts.encode(cast(list[dict[str, str]], value))
         else:
             raise InvalidInputError("a prompt is a string or a list of {role, content} messages")
         if not ids:
             raise InvalidInputError("the prompt has no tokens")
-        return [int(t) for t in ids]
+        return ids
 
     def tokenizer_description(self) -> dict[str, str]:
         """What a gateway needs to count prompt tokens as `prompt_ids` does, without torch: the
