@@ -81,7 +81,8 @@ class PromptEncoder:
         if isinstance(prompt, str):
             return list(self._parsing.encode(prompt, add_special_tokens=False).ids)
         if not self._template:
-            raise InvalidInputError("this model has no chat template: send its prompt as a string to /v1/completions")
+            raise InvalidInputError("messages: this model has no chat template; send its prompt as a string to "
+                                    "/v1/completions")
         contents = [m["content"] for m in prompt]
         nonce = secrets.token_hex(8)  # the template and contents cannot hold a random placeholder
         marked = self._render([{**m, "content": f"VGCONTENT{nonce}N{i}E"} for i, m in enumerate(prompt)])
@@ -133,6 +134,6 @@ class PromptEncoder:
         extra = Counter(i for i in ids if i in self._special_ids) - template_own
         if extra:
             tokens = ", ".join(sorted(repr(self._parsing.id_to_token(i)) for i in extra))
-            raise InvalidInputError(f"a message's content holds special tokens ({tokens}) that this model's chat "
+            raise InvalidInputError(f"messages: a content holds special tokens ({tokens}) that this model's chat "
                                     "template does not let the server keep as text")
         return ids

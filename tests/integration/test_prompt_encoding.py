@@ -103,7 +103,7 @@ def test_a_template_that_changes_contents_refuses_only_a_content_holding_a_speci
     """A template that trims contents (as Llama 3's does): a content it changes cannot be put back
     in place of its placeholder, so the rendering is encoded whole, exactly as transformers does
     (the ordinary cases with spaces at their ends), and a content whose special token would then
-    become a control token is refused (422), by the worker's rule and the gateway's counter. A
+    become a control token is refused (InvalidInputError), by the worker's rule and the gateway's counter. A
     content the template leaves as it is still goes in as text."""
     trimming = str(tokenizer.chat_template).replace("message['content']", "message['content'] | trim")
     assert trimming != tokenizer.chat_template
