@@ -11,15 +11,16 @@ token injection in user content" change). For a content without special-token st
 exactly `apply_chat_template(..., tokenize=True)`'s, so prefix caching and greedy outputs stay as
 they were.
 
-How: the template is rendered twice, once with each content and once with each content replaced by
-a placeholder. When putting the contents back in place of the placeholders gives the real
-rendering, the special tokens the tokenizer finds in the template's own text are control tokens
-and the text around them (template text and contents together, as the tokenizer would have cut it)
-is encoded with special-token matching off. Otherwise the template changes contents (trims,
-escapes, splits them) and we cannot tell whose text is whose: the real rendering is tokenized
-whole, and refused (InvalidInputError) when it holds a special token the template alone did not
-put there: refusing the rare prompt beats both refusing every prompt of such a model and opening
-the hole again.
+How: the template is rendered twice, once with the contents and once with each content replaced by
+a placeholder. When the first, tokenized as transformers does, holds the same control tokens as the
+second, the contents made none: those are the ids. Otherwise, when putting the contents back in
+place of the placeholders gives the real rendering, the special tokens the tokenizer finds in the
+template's own text are the control tokens and the text around them (template text and contents
+together, as the tokenizer would have cut it) is encoded with special-token matching off. When it
+does not, the template changes contents (trims, escapes, splits them) and we cannot tell whose
+text is whose: the prompt is refused (InvalidInputError). Refusing such a template's rare prompt
+that holds special-token strings beats both refusing every prompt of such a model and opening the
+hole again.
 
 A string prompt (/v1/completions) is text its client wrote whole, templates included: its special
 tokens stay control tokens, as vLLM and llama.cpp's servers parse them.
@@ -79,19 +80,30 @@ class PromptEncoder:
         Raises InvalidInputError for messages to a model without a chat template, or (a template
         that changes contents) a content holding a special token."""
         if isinstance(prompt, str):
-            return list(self._parsing.encode(prompt, add_special_tokens=False).ids)
+            return self._parse(prompt)
         if not self._template:
             raise InvalidInputError("messages: this model has no chat template; send its prompt as a string to "
                                     "/v1/completions")
-        contents = [m["content"] for m in prompt]
         nonce = secrets.token_hex(8)  # the template and contents cannot hold a random placeholder
         marked = self._render([{**m, "content": f"VGCONTENT{nonce}N{i}E"} for i, m in enumerate(prompt)])
-        # odd pieces are a message's index, even ones the template's own text
-        pieces = re.split(f"VGCONTENT{nonce}N([0-9]+)E", marked)
         real = self._render(prompt)
-        if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(pieces)) == real:
-            return self._encode_pieces(pieces, contents)
-        return self._encode_whole(real, marked)
+        ids, own = self._parse(real), self._controls(self._parse(marked))
+        if self._controls(ids) == own:
+            return ids  # the contents made no control token: transformers' own ids, unchanged
+        contents = [m["content"] for m in prompt]
+        pieces = re.split(f"VGCONTENT{nonce}N([0-9]+)E", marked)  # odd pieces: a message's index
+        if "".join(contents[int(p)] if k % 2 else p for k, p in enumerate(pieces)) != real:
+            more = Counter(self._controls(ids)) - Counter(own)  # the contents' (or those the template put for them)
+            extra = ", ".join(sorted(repr(self._parsing.id_to_token(i)) for i in more))
+            raise InvalidInputError(f"messages: a content holds special tokens ({extra}) that this model's chat "
+                                    "template does not let the server keep as text")
+        return self._encode_pieces(pieces, contents)
+
+    def _parse(self, text: str) -> list[int]:
+        return list(self._parsing.encode(text, add_special_tokens=False).ids)
+
+    def _controls(self, ids: list[int]) -> list[int]:
+        return [i for i in ids if i in self._special_ids]
 
     def _render(self, messages: Sequence[Mapping[str, str]]) -> str:
         rendered, _ = _render_jinja_template([[dict(m) for m in messages]], chat_template=self._template,
@@ -101,7 +113,9 @@ class PromptEncoder:
     def _encode_pieces(self, pieces: list[str], contents: list[str]) -> list[int]:
         """The ids of the rendering cut into `pieces` (template text at even indices, a content's
         index at odd ones): control tokens where the tokenizer finds special tokens in the
-        template's text, the text between them (template and contents) with special tokens split."""
+        template's text, the text between them (template and contents) with special tokens split.
+        A content's whitespace next to a control token stays text, even where the token strips
+        whitespace (`lstrip`/`rstrip`): the content is kept as it was written."""
         ids: list[int] = []
         text: list[str] = []
         for k, piece in enumerate(pieces):
@@ -124,16 +138,3 @@ class PromptEncoder:
         joined = "".join(text)
         text.clear()
         return list(self._text.encode(joined, add_special_tokens=False).ids) if joined else []
-
-    def _encode_whole(self, real: str, marked: str) -> list[int]:
-        """The real rendering's ids, special tokens parsed, when they are the template's own: a
-        special token beyond those of the placeholder rendering came from a content."""
-        ids = list(self._parsing.encode(real, add_special_tokens=False).ids)
-        template_own = Counter(i for i in self._parsing.encode(marked, add_special_tokens=False).ids
-                               if i in self._special_ids)
-        extra = Counter(i for i in ids if i in self._special_ids) - template_own
-        if extra:
-            tokens = ", ".join(sorted(repr(self._parsing.id_to_token(i)) for i in extra))
-            raise InvalidInputError(f"messages: a content holds special tokens ({tokens}) that this model's chat "
-                                    "template does not let the server keep as text")
-        return ids
