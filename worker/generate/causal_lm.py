@@ -199,7 +199,7 @@ class CausalLMBackend:
         for anything else (the gateway checks the shape first)."""
         assert self._prompts is not None, "load_tokenizer first"
         if isinstance(value, str) or isinstance(value, list) and all(_is_message(m) for m in value):
-            ids = self._prompts.encode(cast(list[dict[str, str]], value))
+            ids = self._prompts.encode(cast(str | list[dict[str, str]], value))
         else:
             raise InvalidInputError("a prompt is a string or a list of {role, content} messages")
         if not ids:
