@@ -6,8 +6,9 @@ renderer (`render_jinja_template`), never torch.
 Chat messages: a message's content is text. The chat template's own special tokens (`<|im_start|>`,
 `<|im_end|>`, the role markers) are control tokens; the same strings inside a content are
 tokenized as ordinary text (transformers' `split_special_tokens`), so a user cannot close their
-turn and open a system one, as OpenAI treats content (vLLM does the same since its "prevent special
-token injection in user content" change). For a content without special-token strings the ids are
+turn and open a system one, as OpenAI treats content (the placeholder approach of vLLM's proposed
+"prevent special token injection in user content" change, vllm-project/vllm#31735, and of
+huggingface/transformers#29279's discussion). For a content without special-token strings the ids are
 exactly `apply_chat_template(..., tokenize=True)`'s, so prefix caching and greedy outputs stay as
 they were.
 
