@@ -470,6 +470,8 @@ class Worker:
             **(self.budget.heartbeat_fields() if self.budget is not None else {}),
             "generation": self.generation.server.heartbeat_field() if self.generation is not None else "",
         }
+        if self.generation is not None:  # its cap is the generation's rows, not the batch plan's items
+            parts["adaptive_batch_cap"] = self.generation.server.row_cap
         return WorkerBeat(
             worker_id=self.worker_id, model=self.settings.model, pid=os.getpid(), host=socket.gethostname(),
             device=self.backend.device, gpu=self.settings.cuda_visible_devices or "",

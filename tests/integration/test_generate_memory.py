@@ -123,6 +123,10 @@ async def test_oom_inside_a_step_runs_the_sequences_again_in_fewer_rows(stack: S
     generation = worker["generation"]
     assert worker["oom_events"] >= 1  # a decode step of too many rows
     assert generation["failed"] == 0 and generation["finished"] == 33
+    # vramguard_worker_adaptive_batch_cap: the rows a step may run after the OOMs (a step runs out
+    # at about 20 tokens, so they settle near 10; 10 in a run), not the batch plan's item cap, which
+    # every OOM halved down to 1
+    assert 4 <= worker["adaptive_batch_cap"] < generation["kv_plan"]["max_running"], worker["adaptive_batch_cap"]
 
 
 @pytest.mark.slow

@@ -122,6 +122,12 @@ class GenerationServer:
         """Entries being generated or waiting here (kept from looking dead by reclaim)."""
         return [s.entry_id for s in (*self._sequences(), *(e.seq for e in self._unsent))]
 
+    @property
+    def row_cap(self) -> int:
+        """The most sequences a step may run now: the KV plan's max_running, halved by each OOM
+        inside a step and grown back (oom.py's RowCap); the heartbeat's `adaptive_batch_cap`."""
+        return self._rows.value
+
     def heartbeat_field(self) -> str:
         self._note_pool()  # after leaves too, not only after steps
         return json.dumps({"kv_plan": self.plan.as_dict(), **asdict(self.stats)})
