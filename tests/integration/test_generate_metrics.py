@@ -208,3 +208,26 @@ async def test_a_generative_workers_request_and_batch_counters_follow_its_sequen
     assert histogram("batch_size") == (worker["vramguard_worker_batches_total"], tokens)
     assert histogram("forward_duration_seconds")[0] == worker["vramguard_worker_batches_total"]
     assert histogram("queue_delay_seconds")[0] == 4  # the sequences that ran: the three and the stream
+
+
+@pytest.mark.slow  # two processes' start: about 8 s
+@pytest.mark.timeout(180)
+async def test_a_step_failing_on_its_input_answers_500_and_the_worker_serves_on(stack: Stack, tmp_path: Path) -> None:
+    """A synthetic LM whose steps fail on one token (fail_token: a 20-letter word): a prompt holding
+    it, then a plain one. Result: the first gets 500 model_error naming the failure (the probe after
+    the failed step passed: the device is sound, the input was at fault); the second gets 200 from
+    the same worker, still running and healthy."""
+    await _serve_simlm(stack, tmp_path, fail_token=21.0)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+        failed = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a " + "x" * 20, "max_tokens": 3})
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "model_error", failed.text
+        assert "fails on token 21" in failed.json()["error"]["message"], failed.text
+        served = await http.post("/v1/completions", json={"model": MODEL, "prompt": "a bb", "max_tokens": 3})
+        assert served.status_code == 200, served.text
+
+        async def probed() -> bool:  # the heartbeat the gateway reads after the probe
+            worker = next(iter((await http.get(f"/v1/models/{MODEL}")).json()["workers"].values()))
+            return worker["probes"] >= 1 and worker["healthy"] is True  # type: ignore[no-any-return]
+
+        await wait_until(probed, 20)
+    assert stack.workers[0].poll() is None

@@ -9,7 +9,9 @@ token it reads (transient: the keys and values a real attention reads back); the
 token, taken from the simulated allocator once when the pool is made (kvpool.py's block bookkeeping
 runs on the `meta` device, without storage). step_ms: a sleep per step (no compute); layers: kept
 for older models files (one pool tensor has no per-layer copies). hold_step (tests): 1 lets a test
-hold one step, or break one worker's device, by creating a file (worker/generate/stephold.py). Also the params of every
+hold one step, or break one worker's device, by creating a file (worker/generate/stephold.py);
+fail_token (tests): a step that computes this token raises, as a model failing on one input does
+(0, the default: never; a word of n letters is token n + 1). Also the params of every
 generative model (kvplan.GENERATION_PARAMS).
 """
 
@@ -35,7 +37,7 @@ from vramguard.worker.memory.simdevice import SimDevice
 KIB, MIB = 1024, 1024 * 1024
 VOCAB = 1000
 DEFAULTS = {"weights_mib": 64.0, "step_fixed_mib": 4.0, "step_token_kib": 64.0, "read_kib": 1.0, "kv_kib": 64.0,
-            "layers": 8.0, "step_ms": 1.0, "max_step_tokens": 256.0, "chunk_ms": 0.0}
+            "layers": 8.0, "step_ms": 1.0, "max_step_tokens": 256.0, "chunk_ms": 0.0, "fail_token": 0.0}
 
 
 class SyntheticLMBackend:
@@ -57,6 +59,7 @@ class SyntheticLMBackend:
         self.kv_bytes_per_token, self.read_bytes_per_token = int(p["kv_kib"] * KIB), int(p["read_kib"] * KIB)
         self.kv_layers, self.step_ms = max(1, int(p["layers"])), p["step_ms"]
         self.max_step_tokens = int(p["max_step_tokens"])
+        self._fail_token = int(p["fail_token"])
         if self.kv_bytes_per_token % 4 or self.kv_bytes_per_token <= 0:
             raise ValueError(f"{settings.model}: kv_kib x 1024 must be a positive multiple of 4 bytes (float16 keys "
                              "and values)")
@@ -136,6 +139,8 @@ class SyntheticLMBackend:
         read = sum(c.past for c in chunks)
         self._hold()
         self._break()
+        if self._fail_token and any(self._fail_token in c.tokens for c in chunks):
+            raise RuntimeError(f"the synthetic LM fails on token {self._fail_token} (fail_token)")
         with self._step_memory(computed, read):
             time.sleep(self.step_ms / 1000)
         return self._logits([c.tokens[-1] for c in chunks])
