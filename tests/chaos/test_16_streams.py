@@ -77,6 +77,17 @@ class Faults:
         self.workers = [stack.start_worker(model=MODEL, **self.common) for _ in range(workers)]
         self.hold = hold_path(str(stack.settings["key_prefix"]), MODEL)
 
+    async def ready(self) -> None:
+        """Every worker ready (its KV plan measured): a step hold or a device break set while one
+        still measures would be taken by its probe steps instead of by a served sequence's step."""
+        await self.stack.wait_ready()
+
+        def all_ready() -> bool:
+            workers = httpx.get(f"{self.stack.url}/v1/models/{MODEL}").json()["workers"].values()
+            return len(workers) == len(self.workers) and all(w["state"] == "ready" for w in workers)
+
+        await wait_until(all_ready, 90, interval_s=0.2)
+
     async def held_pid(self) -> int:
         """Hold the next step of whichever worker steps first; its pid once it is held there."""
         Path(self.hold).write_text("")
@@ -152,7 +163,7 @@ async def test_a_stalled_worker_whose_entry_was_reclaimed_stops_and_the_text_is_
         stack: Stack, faults: Callable[..., Faults]) -> None:
     # The stalled worker's step is timed by the hang guard: a limit far past the stall.
     f = faults(stack, 2, forward_timeout_s=120.0)
-    await stack.wait_ready()
+    await f.ready()
     stalled: list[int] = []
 
     async def stall(stream: Stream) -> None:
@@ -189,7 +200,7 @@ async def test_a_stalled_worker_whose_entry_was_reclaimed_stops_and_the_text_is_
 async def test_a_step_that_never_returns_ends_its_worker_and_another_finishes_the_stream(
         stack: Stack, faults: Callable[..., Faults]) -> None:
     f = faults(stack, 2, forward_timeout_s=3.0)
-    await stack.wait_ready()
+    await f.ready()
     held: list[int] = []
 
     async def hang(stream: Stream) -> None:
@@ -207,7 +218,7 @@ async def test_a_step_that_never_returns_ends_its_worker_and_another_finishes_th
 async def test_a_broken_device_ends_its_worker_and_another_finishes_the_stream(
         stack: Stack, faults: Callable[..., Faults]) -> None:
     f = faults(stack, 2)
-    await stack.wait_ready()
+    await f.ready()
     broken: list[int] = []
 
     async def breaks(stream: Stream) -> None:
@@ -245,7 +256,7 @@ async def test_a_chunk_whose_publish_failed_is_sent_again_after_redis_is_back(
         own_redis: tuple[Stack, RedisServer], faults: Callable[..., Faults]) -> None:
     stack, server = own_redis
     f = faults(stack, 1)
-    await stack.wait_ready()
+    await f.ready()
 
     async def outage(stream: Stream) -> None:
         await f.held_pid()
