@@ -24,7 +24,7 @@ that holds special-token strings beats both refusing every prompt of such a mode
 hole again.
 
 A string prompt (/v1/completions) is text its client wrote whole, templates included: its special
-tokens stay control tokens, as vLLM and llama.cpp's servers parse them.
+tokens stay control tokens (a client that writes its own template needs them).
 """
 
 from __future__ import annotations
