@@ -301,6 +301,11 @@ class GenerationServer:
         self._worker_stats.record_batch(items, 0, ran, 0)
         self._metrics.observe_batch(items, (), monotonic_ms() - started_ms)
 
+    def _count_failed(self, sequences: int) -> None:
+        """Sequences answered with an error: the generation's `failed` and the worker's `errors`."""
+        self.stats.failed += sequences
+        self._worker_stats.errors += sequences
+
     def _compute_or_oom(self) -> list[Emitted] | None:
         """A step, or None when it ran out of memory (the exception, and the tensors its traceback
         holds, do not outlive the except block: PyTorch FAQ, as in worker/batch/execute.py)."""
@@ -326,8 +331,7 @@ class GenerationServer:
                     extra={"sequences": len(seqs), "max_rows": self._rows.value})
         if len(seqs) != 1 or tokens > 1:
             return  # queued again, at the head, for fewer rows and tokens
-        self.stats.failed += 1
-        self._worker_stats.errors += 1
+        self._count_failed(1)
         seq = seqs[0]
         self._engine.remove({id(seq)})
         reply = ReplyMessage.failure(seq.request_id, InputTooLargeError.code,
@@ -452,8 +456,7 @@ class GenerationServer:
                 seq.finish_reason = "cancelled"
                 replies.append(chunk_reply(seq, "", self.worker_id))
             else:
-                self.stats.failed += 1
-                self._worker_stats.errors += 1
+                self._count_failed(1)
                 self._worker_stats.expired += not seq.generated  # it never had a token: as if it expired queued
                 replies.append(Outgoing(seq.reply_to, ReplyMessage.failure(
                     seq.request_id, DeadlineExceededError.code, "deadline passed while generating",
@@ -465,8 +468,7 @@ class GenerationServer:
     async def _fail_all(self, redis: aioredis.Redis, message: str) -> None:
         seqs = list(self._engine.running)  # the step's; the waiting ones did not run
         self._engine.remove({id(s) for s in seqs})
-        self.stats.failed += len(seqs)
-        self._worker_stats.errors += len(seqs)
+        self._count_failed(len(seqs))
         replies = [Outgoing(s.reply_to, ReplyMessage.failure(s.request_id, ModelError.code, message,
                                                              worker_id=self.worker_id)) for s in seqs]
         await self._finish(redis, replies, [s.entry_id for s in seqs], [], progress_of=seqs)
