@@ -100,3 +100,46 @@ def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone
     torch.testing.assert_close(second[1], _last_logits(model, prompts["b"] + [2]), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second[2], _last_logits(model, prompts["c"]), rtol=1e-4, atol=1e-4)
     assert len(layouts) == 2  # once a step, for both layers
+
+
+def test_decodes_of_similar_length_share_one_padded_call_and_each_gets_its_own_logits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model(tied=False)
+    model.set_attn_implementation(ATTENTION)
+    pool = KVPool(model.config, num_blocks=64, block_tokens=4, device="cpu", dtype=torch.float32,
+                  prefix_sharing=False)
+    layouts: list[StepLayout] = []
+    of = StepLayout.of
+    monkeypatch.setattr(attention.StepLayout, "of", lambda *a: layouts.append(of(*a)) or layouts[-1])
+    lengths = {"short": 1, "a": 45, "b": 44, "c": 43, "d": 10}
+    prompts = {name: [(7 * i + n) % 97 for i in range(n)] for name, n in lengths.items()}
+    seqs = {name: _seq(name, ids) for name, ids in prompts.items()}
+    for name, ids in prompts.items():
+        assert pool.grow(name, len(ids) + 1)
+    with torch.inference_mode():
+        model(**packed_inputs(pool, [Chunk(seqs[n], 0, ids, True) for n, ids in prompts.items()], "cpu"))
+    for name, ids in prompts.items():
+        pool.wrote(name, [], len(ids))
+    # One decode each, in an order the packing does not keep: a, b, c (46, 45 and 44 keys) are
+    # attended in one call padded to 46; d (11 keys, 35 short of 46) starts a call of its own, which
+    # short (2 keys) joins.
+    order = ["short", "c", "a", "d", "b"]
+    chunks = [Chunk(seqs[n], len(prompts[n]), [1], True) for n in order]
+    with torch.inference_mode():
+        logits = model(**packed_inputs(pool, chunks, "cpu")).logits[0]
+    for row, name in enumerate(order):
+        torch.testing.assert_close(logits[row], _last_logits(model, prompts[name] + [1]), rtol=1e-4, atol=1e-4)
+    calls = layouts[-1].calls
+    assert [(c.rows, c.queries, c.width) for c in calls] == [(3, 1, 46), (2, 1, 11)]
+    assert [c.mask.sum(-1).flatten().tolist() for c in calls if c.mask is not None] == [[46, 45, 44], [11, 2]]
+
+
+@pytest.mark.parametrize(("lengths", "sizes"), [
+    ([], []),
+    ([50] * 32, [32]),  # equal lengths: one call, no padding
+    ([300, 290, 268, 267, 100, 9, 8], [3, 1, 1, 2]),  # 268 is 32 short of 300; 267 starts a group
+    ([1000, 10, 10, 10], [1, 3]),  # a long context is never padded to
+])
+def test_decode_groups_pad_a_row_by_at_most_pad_keys(lengths: list[int], sizes: list[int]) -> None:
+    assert attention.PAD_KEYS == 32
+    assert attention.decode_groups(lengths) == sizes

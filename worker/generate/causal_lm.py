@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -36,7 +37,7 @@ from vramguard.shared.errors import InvalidInputError, ModelError
 from vramguard.shared.models import ModelConfig
 from vramguard.shared.prompt_encoding import PromptEncoder
 from vramguard.shared.settings import Settings
-from vramguard.worker.generate.attention import ATTENTION, StepLayout
+from vramguard.worker.generate.attention import ATTENTION, StepLayout, decode_groups
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvplan import DEFAULT_MAX_STEP_TOKENS, GENERATION_PARAMS
 from vramguard.worker.generate.kvpool import KVPool
@@ -245,30 +246,48 @@ def kv_bytes_per_token(config: Any, itemsize: int) -> int:
 def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[str, Any]:
     """The model's keyword arguments for one packed step (transformers' PagedAttentionArgs):
     input_ids and position_ids [1, T] int64, read and write slots of the pool, cumulative query and
-    key lengths, the rows whose logits are kept, and `step_layout` (attention.py's StepLayout: where
-    each sequence's queries and keys sit, worked out here once for every layer). No mask: attention.py
-    masks each prefill chunk by itself."""
+    key lengths, the rows whose logits are kept (in `chunks`' order), and `step_layout`
+    (attention.py's StepLayout, worked out here once for every layer). The step is packed as the
+    layout attends it: the decodes (one token) first, longest context first, in the groups of
+    attention.decode_groups, each sequence's context read back padded to its group's width; then
+    the prefill chunks in order. No mask: attention.py masks each call by itself."""
+    decodes = sorted((c for c in chunks if len(c.tokens) == 1), key=lambda c: c.past, reverse=True)
+    prefills = [c for c in chunks if len(c.tokens) > 1]
+    groups = decode_groups([c.past + 1 for c in decodes])
     ids: list[int] = []
     positions: list[int] = []
-    cu_q, cu_k, read, write, keep = [0], [0], [], [], []  # type: ignore[var-annotated]
-    for chunk in chunks:
+    read: list[int] = []
+    write: list[int] = []
+    last: dict[int, int] = {}  # id(chunk) -> its last token's place in the packed row
+    decode_keys: list[list[int]] = []
+    start = 0
+    for size in groups:
+        group = decodes[start : start + size]
+        start += size
+        width = group[0].past + 1
+        for chunk in group:
+            context: list[int] = []
+            pool.indices(chunk.seq.request_id, chunk.past, 1, context, write)
+            read += context + context[-1:] * (width - len(context))  # padding: masked, any slot of the pool
+        decode_keys.append([c.past + 1 for c in group])
+    for chunk in [*decodes, *prefills]:
         n = len(chunk.tokens)
         ids += chunk.tokens
         positions += range(chunk.past, chunk.past + n)
-        cu_q.append(cu_q[-1] + n)
-        cu_k.append(cu_k[-1] + chunk.past + n)
-        pool.indices(chunk.seq.request_id, chunk.past, n, read, write)
-        keep.append(cu_q[-1] - 1)
-    lengths_q = [b - a for a, b in zip(cu_q, cu_q[1:], strict=False)]
-    lengths_k = [b - a for a, b in zip(cu_k, cu_k[1:], strict=False)]
+        if n > 1:
+            pool.indices(chunk.seq.request_id, chunk.past, n, read, write)
+        last[id(chunk)] = len(ids) - 1
+    layout = StepLayout.of(decode_keys, [(len(c.tokens), c.past + len(c.tokens)) for c in prefills], device)
+    cu_q = [0, *itertools.accumulate(layout.queries)]
+    cu_k = [0, *itertools.accumulate(layout.keys)]
     return {"input_ids": torch.tensor([ids], device=device), "position_ids": torch.tensor([positions], device=device),
             "attention_mask": None, "cache": pool.cache, "use_cache": False,
             "read_index": [torch.tensor(read, dtype=torch.long, device=device)],
             "write_index": [torch.tensor(write, dtype=torch.long, device=device)],
             "cu_seq_lens_q": torch.tensor(cu_q, dtype=torch.int32, device=device),
             "cu_seq_lens_k": {"full_attention": torch.tensor(cu_k, dtype=torch.int32, device=device)},
-            "max_length_q": max(lengths_q), "max_length_k": {"full_attention": max(lengths_k)},
-            "logits_to_keep": torch.tensor(keep, device=device), "step_layout": StepLayout.of(cu_q, cu_k, device)}
+            "max_length_q": max(layout.queries), "max_length_k": {"full_attention": max(layout.keys)},
+            "logits_to_keep": torch.tensor([last[id(c)] for c in chunks], device=device), "step_layout": layout}
 
 
 def lay_out_weights_for_cpu(model: PreTrainedModel) -> int:
