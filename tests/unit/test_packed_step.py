@@ -39,6 +39,19 @@ def _last_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
         return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
 
+def _paged(num_blocks: int, monkeypatch: pytest.MonkeyPatch) -> tuple[LlamaForCausalLM, KVPool, list[StepLayout]]:
+    """The untied model with the packed attention, a pool of `num_blocks` blocks of 4 tokens without
+    prefix sharing, and the list every step's layout is recorded in."""
+    model = _model(tied=False)
+    model.set_attn_implementation(ATTENTION)
+    pool = KVPool(model.config, num_blocks=num_blocks, block_tokens=4, device="cpu", dtype=torch.float32,
+                  prefix_sharing=False)
+    layouts: list[StepLayout] = []
+    of = StepLayout.of
+    monkeypatch.setattr(attention.StepLayout, "of", lambda *a: layouts.append(of(*a)) or layouts[-1])
+    return model, pool, layouts
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_transposed_weights_keep_shapes_ties_and_outputs(tied: bool) -> None:
     model = _model(tied)
@@ -67,14 +80,8 @@ def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
 
 def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model(tied=False)
+    model, pool, layouts = _paged(32, monkeypatch)
     lay_out_weights_for_cpu(model)
-    model.set_attn_implementation(ATTENTION)
-    pool = KVPool(model.config, num_blocks=32, block_tokens=4, device="cpu", dtype=torch.float32,
-                  prefix_sharing=False)
-    layouts: list[StepLayout] = []
-    of = StepLayout.of
-    monkeypatch.setattr(attention.StepLayout, "of", lambda *a: layouts.append(of(*a)) or layouts[-1])
     prompts = {"a": [5, 9, 2, 7, 11, 3, 8], "b": [4, 4, 6], "c": list(range(10, 30))}
     seqs = {name: _seq(name, ids) for name, ids in prompts.items()}
     for name, ids in prompts.items():
@@ -104,13 +111,7 @@ def test_a_packed_step_of_prefill_chunks_and_decodes_matches_each_sequence_alone
 
 def test_decodes_of_similar_length_share_one_padded_call_and_each_gets_its_own_logits(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _model(tied=False)
-    model.set_attn_implementation(ATTENTION)
-    pool = KVPool(model.config, num_blocks=64, block_tokens=4, device="cpu", dtype=torch.float32,
-                  prefix_sharing=False)
-    layouts: list[StepLayout] = []
-    of = StepLayout.of
-    monkeypatch.setattr(attention.StepLayout, "of", lambda *a: layouts.append(of(*a)) or layouts[-1])
+    model, pool, layouts = _paged(64, monkeypatch)
     lengths = {"short": 1, "a": 45, "b": 44, "c": 43, "d": 10}
     prompts = {name: [(7 * i + n) % 97 for i in range(n)] for name, n in lengths.items()}
     seqs = {name: _seq(name, ids) for name, ids in prompts.items()}
