@@ -1,12 +1,13 @@
 """The pure parts of text generation: the KV pool's plan and the step's token budget, the text a sequence may send
-(stop strings, held-back characters), and the sampler's seed per token position."""
+(stop strings, held-back characters), the sampler's seed per token position, and the greedy choice."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from vramguard.worker.generate.kvplan import KVPlan, KVPlanError, plan_kv, size_token_budget
-from vramguard.worker.generate.sampling import position_seed
+from vramguard.worker.generate.sampling import SamplingParams, choose_tokens, position_seed
 from vramguard.worker.generate.sequence import next_text
 
 
@@ -57,3 +58,12 @@ def test_stop_string_cuts_the_text_and_is_never_half_sent() -> None:
 def test_sampler_seed_depends_on_seed_and_position_only() -> None:
     assert position_seed(7, 3) == position_seed(7, 3)
     assert len({position_seed(7, i) for i in range(100)} | {position_seed(8, 0)}) == 101
+
+
+def test_greedy_takes_the_first_of_equal_maxima_and_a_nan_as_torch_does() -> None:
+    logits = torch.zeros((3, 50))
+    logits[0, [7, 9]] = 2.0  # a tie: the first
+    logits[1, 4], logits[1, 30] = float("nan"), 5.0  # a NaN wins, as in torch.argmax
+    logits[2, 49] = -1.0  # every other entry equal: the first
+    greedy = [SamplingParams(0.0, 1.0, 0)] * 3
+    assert choose_tokens(logits, greedy, [0, 0, 0]) == logits.argmax(dim=-1).tolist() == [7, 4, 0]

@@ -44,7 +44,13 @@ def choose_tokens(logits: torch.Tensor, params: list[SamplingParams], positions:
     Returns:
         one token id per row.
     """
-    chosen = logits.argmax(dim=-1).tolist()
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        # numpy's argmax is vectorised where torch's CPU argmax is not: [32, 49152] float32 logits
+        # 0.22 against 2.7 ms (1 thread, the 2-core Xeon), about 2% of a 32-sequence step. Both take
+        # the first of equal maxima and a NaN as the maximum.
+        chosen = logits.numpy().argmax(axis=-1).tolist()
+    else:
+        chosen = logits.argmax(dim=-1).tolist()
     for row, (p, position) in enumerate(zip(params, positions, strict=True)):
         if not p.greedy:
             chosen[row] = _sample(logits[row : row + 1].float(), p, position)
