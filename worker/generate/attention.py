@@ -46,8 +46,9 @@ PAD_KEYS = 32
 @dataclass(frozen=True, slots=True)
 class Call:
     """One SDPA call of a step: `rows` sequences of `queries` queries each (a decode group: rows of
-    one query; a prefill chunk: one row), each row's keys padded to `width`; `mask` [rows, 1,
-    queries, width] bool (True: attend), or None where every row sees all its `width` keys."""
+    one query; a prefill chunk: one row), each row's keys padded to `width`. `mask` (bool, True:
+    attend): [rows, 1, 1, width] for a decode group whose rows are padded, [queries, width] (causal,
+    bottom right) for a prefill chunk, None where every row sees all its `width` keys."""
 
     rows: int
     queries: int
