@@ -253,7 +253,7 @@ def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[st
     the prefill chunks in order. No mask: attention.py masks each call by itself."""
     decodes = sorted((c for c in chunks if len(c.tokens) == 1), key=lambda c: c.past, reverse=True)
     prefills = [c for c in chunks if len(c.tokens) > 1]
-    groups = decode_groups([c.past + 1 for c in decodes])
+    lengths = [c.past + 1 for c in decodes]  # keys each decode reads: its context and its new token
     ids: list[int] = []
     positions: list[int] = []
     read: list[int] = []
@@ -261,15 +261,14 @@ def packed_inputs(pool: KVPool, chunks: Sequence[Chunk], device: str) -> dict[st
     last: dict[int, int] = {}  # id(chunk) -> its last token's place in the packed row
     decode_keys: list[list[int]] = []
     start = 0
-    for size in groups:
-        group = decodes[start : start + size]
+    for size in decode_groups(lengths):
+        group, width = decodes[start : start + size], lengths[start]  # longest first: the group's width
+        decode_keys.append(lengths[start : start + size])
         start += size
-        width = group[0].past + 1
         for chunk in group:
             context: list[int] = []
             pool.indices(chunk.seq.request_id, chunk.past, 1, context, write)
             read += context + context[-1:] * (width - len(context))  # padding: masked, any slot of the pool
-        decode_keys.append([c.past + 1 for c in group])
     for chunk in [*decodes, *prefills]:
         n = len(chunk.tokens)
         ids += chunk.tokens
