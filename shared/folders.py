@@ -217,7 +217,7 @@ def _generate_entry(model: FolderModel, options: dict[str, str | int | float | b
         "output": {"kind": "json", "keys": ["next_token"], "description": "the next token after the prompt: "
                    "the worker's warm-up check (the native route refuses generative models)"},
         # As the smollm2 preset: max_batch_size bounds the running sequences; the KV plan bounds them further.
-        "defaults": {"max_batch_size": 32, "max_wait_ms": 1.0, "default_timeout_ms": 300_000},
+        "defaults": {"max_batch_size": 32, "max_wait_ms": 10.0, "default_timeout_ms": 300_000},
         "example": ["The capital of France is"],
     }
 

