@@ -126,14 +126,14 @@ async def test_a_request_behind_31_long_generations_gets_its_first_token_within_
 @pytest.mark.timeout(120)
 async def test_an_idle_worker_reads_a_burst_before_its_first_step_and_starts_a_lone_request_at_once(
         stack: Stack, tmp_path: Path) -> None:
-    """1. One worker with a 1.5 s admission window (max_wait_ms) and 20 ms steps.
-    2. On the fresh worker, a 1-token completion alone, and another 300 ms later.
+    """1. One worker with a 3 s admission window (max_wait_ms) and 20 ms steps.
+    2. On the fresh worker, a 1-token completion alone, and another 600 ms later.
     3. Two 50-token completions at once (they run side by side); once they finished, a 1-token
-       completion, and another 300 ms later.
+       completion, and another 600 ms later.
     Result (the step counter, not the clock): in 2 two steps, the first request did not wait for
     the window; in 3 one step for the last two, the worker, which had just run two sequences at
     once, held the window open for the second before its first step. Every text is the model's."""
-    await start(stack, tmp_path, "step_ms = 20.0", max_wait_ms=1500.0)
+    await start(stack, tmp_path, "step_ms = 20.0", max_wait_ms=3000.0)
     async with httpx.AsyncClient(base_url=stack.url, timeout=60) as client:
 
         async def steps_after(finished: int) -> int:
@@ -145,7 +145,7 @@ async def test_an_idle_worker_reads_a_burst_before_its_first_step_and_starts_a_l
 
         async def one_then_another() -> list[str]:
             first = asyncio.ensure_future(client.post("/v1/completions", json=completion("a b", 1)))
-            await asyncio.sleep(0.3)
+            await asyncio.sleep(0.6)
             second = await client.post("/v1/completions", json=completion("a bb", 1))
             return [r.json()["choices"][0]["text"] for r in (await first, second)]
 
