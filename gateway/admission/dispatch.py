@@ -408,7 +408,7 @@ class Dispatcher:
     def _requests_per_entry(self, model: str) -> int:
         """How many of one call's requests may share a stream entry: the model's
         `requests_per_entry` (shared/models.py); 1 for a generative model, whose worker takes each
-        request as a sequence of its own (worker/generate/server.py reads one request per entry)."""
+        request as a sequence of its own (worker/generate/intake.py reads one request per entry)."""
         if self._settings.spec_for(model).options.get("generates"):
             return 1
         return self.config_for(model).requests_per_entry

@@ -1,12 +1,12 @@
 """What a generative model's worker reads from its stream, and the admission window of an idle worker.
 
 A busy worker reads between steps without blocking: whatever arrived during a step joins the next
-one. An idle worker blocks until an entry arrives, and a burst of requests does not arrive as one
-entry: the gateway writes what one admission call holds as one entry (a pack), and the calls of a
-burst follow each other by a round trip. On the bench's stack, 32 streamed completions sent at once
-landed in 2 or 3 entries within 5 ms; a first step started on the first entry prefilled it alone
-(16 prompts, 600 ms of SmolLM2 on the CPU) while the rest waited in the stream for that whole step,
-so half the burst had its first token a step late.
+one. An idle worker blocks until an entry arrives, and a burst of requests does not arrive at once:
+the gateway writes each request to a generative model as an entry of its own, the requests of one
+admission call together, and the calls of a burst follow each other by a round trip. On the bench's
+stack, 32 streamed completions sent at once landed in 2 or 3 groups of entries within 5 ms; a first
+step started on the first group prefilled it alone (16 prompts, 600 ms of SmolLM2 on the CPU) while
+the rest waited in the stream for that whole step, so half the burst had its first token a step late.
 
 So an idle worker's read holds an admission window open, `max_wait_ms` from its first entry (the
 batch window's setting: worker/batch/batcher.py), and reads what arrives until the window closes or
