@@ -75,7 +75,9 @@ class Message(BaseModel):
             raise PydanticCustomError("content_parts", "a list of content parts needs at least one part")
         texts = []
         for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(part, dict):
+                raise PydanticCustomError("content_part", 'a text part is {"type": "text", "text": "<string>"}')
+            kind = part.get("type")
             if kind != "text":
                 raise PydanticCustomError("content_part_type", "a content part of type {kind} is not supported by "
                                           "this server (text parts only)", {"kind": repr(kind)[:40]})

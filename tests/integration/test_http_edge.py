@@ -189,6 +189,8 @@ REFUSED_GENERATIONS: list[tuple[str, dict[str, object], str, str]] = [
     (TEXT, {"frequency_penalty": -1}, "frequency_penalty", "not supported"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}]}]},
      "messages.0.content", "'image_url' is not supported"),
+    (CHAT, {"messages": [{"role": "user", "content": ["a", "b"]}]}, "messages.0.content",
+     'a text part is {"type": "text", "text": "<string>"}'),
     (CHAT, {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4 stop strings"),
     (CHAT, {"stop": ""}, "stop", "at least 1 character"),
     (CHAT, {"stop": ["a", ""]}, "stop.1", "at least 1 character"),
