@@ -100,6 +100,26 @@ async def test_window_fills_the_batch_after_a_busy_batch(redis_client) -> None:
     assert tags(batch) == ["first", "late0", "late1", "late2"]
 
 
+async def test_a_window_nothing_more_arrives_in_ends_with_max_wait_ms_not_on_redis_timer(redis_client) -> None:
+    """Ten windows of 10 ms, each after a busy batch, with one entry and nothing more arriving: they
+    last about 10 ms each. A window read with XREADGROUP BLOCK lasted Redis's timer tick instead
+    (100 ms at its default hz of 10): 1 s for the ten."""
+    import time
+
+    stream = "t:req:batcher9"
+    batcher = await make_batcher(redis_client, stream, max_batch_size=8, max_wait_ms=10)
+    spent_s = 0.0
+    for i in range(10):
+        for tag in ("a", "b"):
+            await enqueue(redis_client, stream, 1, f"{tag}{i}")
+        assert len(await batcher.read_batch()) == 2  # a busy batch: the next one gets a window
+        await enqueue(redis_client, stream, 1, f"alone{i}")
+        started = time.monotonic()
+        assert tags(await batcher.read_batch()) == [f"alone{i}"]
+        spent_s += time.monotonic() - started
+    assert spent_s < 0.5, spent_s
+
+
 async def test_no_window_when_idle(redis_client) -> None:
     stream = "t:req:batcher4"
     batcher = await make_batcher(redis_client, stream, max_batch_size=8, max_wait_ms=10_000)

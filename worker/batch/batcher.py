@@ -14,7 +14,8 @@ Items are what is batched: an entry whose request carries 3 inputs counts 3 towa
   reassembles them in item order).
 
 The window is a shrinking deadline on the monotonic clock, `max_wait_ms` from the first entry,
-with one loop for every window length (0 included). It opens only when the previous batch held
+with one loop for every window length (0 included), that polls the stream without blocking
+(`poll_pause_ms`: Redis ends a short blocked read on its timer, not on time). It opens only when the previous batch held
 more than one item: at low load nothing else is queued and waiting would only add latency (a
 request alone would pay the whole window), while under load the previous batch was full and the window
 helps fill the next one. While the worker holds work carried over from earlier reads, it still
@@ -23,6 +24,7 @@ reads the stream between forwards, without blocking, so that newly arrived reque
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +46,20 @@ from vramguard.worker.batch.entries import Entry, PackLedger, stream_id_of
 # max_batch_size entries, so holding more only hoards; the floor keeps read-ahead useful at
 # tiny batch sizes (a few large requests in progress and a small one behind them).
 MIN_HELD_ENTRIES = 8
+
+# A window polls without blocking, a read every tenth of the window and at least POLL_MS apart.
+# Redis ends a blocked read's timeout on its cron, `hz` times a second (10 by default), unless
+# something else wakes it first: a BLOCK of a few milliseconds on a quiet stream lasts up to 100
+# (measured on Redis 7.0: BLOCK 1, 5, 10 or 20 returned after 99-101 ms; antirez on redis/redis#2774:
+# "the actual granularity depends on server.hz"). A 5 ms batch window read with BLOCK lasted 85-100 ms
+# whenever nothing more arrived in it.
+POLL_MS = 2.0
+
+
+def poll_pause_ms(left_ms: float, window_ms: float) -> float:
+    """How long a window of `window_ms` with `left_ms` to go sleeps after a read that found nothing
+    (milliseconds): a tenth of the window, at least POLL_MS, never past the window's end."""
+    return min(left_ms, max(POLL_MS, window_ms / 10))
 
 
 @dataclass(slots=True, eq=False)
@@ -169,10 +185,12 @@ class Batcher:
                 return []
         window_ms = self.max_wait_ms if self._last_batch_items > 1 else 0.0
         deadline = self._clock() + window_ms
-        while not self._full():
-            remaining = int(deadline - self._clock())
-            if remaining < 1 or not await self._read_more(remaining):
-                break
+        while not self._full() and (left_ms := deadline - self._clock()) > 0:
+            before = len(self._held)
+            if not await self._read_more(None):
+                break  # no room left to read into
+            if len(self._held) == before:
+                await asyncio.sleep(poll_pause_ms(left_ms, window_ms) / 1000)
         batch = self._form()
         self._last_batch_items = sum(s.n_items for s in batch)
         return batch

@@ -12,7 +12,8 @@ So an idle worker's read holds an admission window open, `max_wait_ms` from its 
 batch window's setting: worker/batch/batcher.py), and reads what arrives until the window closes or
 it has read the room the pool has. As in the batch window, a request alone at low load does not
 wait: the window opens only when the first read holds more than one request, or when more than one
-sequence ran at once since the worker was last idle.
+sequence ran at once since the worker was last idle. Like the batch window, it polls the stream
+without blocking (`poll_pause_ms`: a blocked read's timeout ends on Redis's timer, not on time).
 """
 
 from __future__ import annotations
@@ -24,14 +25,8 @@ import redis.asyncio as aioredis
 
 from vramguard.shared.clock import monotonic_ms
 from vramguard.shared.keys import GROUP
+from vramguard.worker.batch.batcher import poll_pause_ms
 from vramguard.worker.batch.entries import Entry, decode_entry
-
-# The window polls without blocking, a read every tenth of the window (at least POLL_MS apart): Redis
-# ends a blocked read's timeout on its cron, `hz` times a second (10 by default), so a BLOCK of a
-# few milliseconds lasts up to 100 (measured on Redis 7.0: BLOCK 1, 5, 10 or 20 returned after 99-101
-# ms; antirez on redis/redis#2774: "the actual granularity depends on server.hz"). A 10 ms window
-# read with BLOCK held idle workers' bursts 29-56 ms.
-POLL_MS = 2.0
 
 
 class Intake:
@@ -63,7 +58,7 @@ class Intake:
                 if more:
                     entries += more
                 else:
-                    await asyncio.sleep(min(left, max(POLL_MS, self.window_ms / 10)) / 1000)
+                    await asyncio.sleep(poll_pause_ms(left, self.window_ms) / 1000)
         self.peak_running = 0  # a busy period begins
         return entries
 
