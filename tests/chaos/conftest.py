@@ -12,6 +12,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +21,22 @@ import redis.asyncio as aioredis
 from tests.helpers import ROOT, Stack, service_env, wait_until
 from vramguard.cli.placement import WorkerGroup
 from vramguard.cli.programs import SHIPPED_CONF, write_programs
+
+# The scenarios' load clients (httpx, redis-py) run in this process; under kills, stalls and cut
+# connections one of their sockets is now and then left to the garbage collector, and the
+# ResourceWarning it raises there fails whichever test the collection happens to run in (it failed
+# scenario 1 once in CI, all 6,377 of its requests answered right). The processes under test are
+# not this one: what they leak shows in their own logs and tests. So in these scenarios, and only
+# here, a socket the collector closes is not a failure; every other warning still is.
+UNCLOSED_SOCKET = "ignore:Exception ignored in. <socket.socket:pytest.PytestUnraisableExceptionWarning"
+CHAOS_DIR = Path(__file__).parent
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(CHAOS_DIR):
+            item.add_marker(pytest.mark.filterwarnings(UNCLOSED_SOCKET))
+
 
 # claim_idle_ms >= 3 x max(reclaim_interval_ms, heartbeat_interval_ms (200)) + max_wait_ms (5)
 # fault_injection: the workers record each execution (worker/batch/execlog.py) for check_executions.

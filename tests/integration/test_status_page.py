@@ -28,7 +28,7 @@ def run_chromium(url: str, profile: Path, *args: str) -> str:
     """Load `url` in headless Chromium, let its script run for 4 s of virtual time; stdout."""
     command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                "--hide-scrollbars", f"--user-data-dir={profile}", "--virtual-time-budget=4000", *args, url]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)  # noqa: S603
+    done = subprocess.run(command, capture_output=True, text=True, timeout=45, check=False)  # noqa: S603
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -51,6 +51,7 @@ async def keep_beating(redis: aioredis.Redis, keys: Keys) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)  # the phases' own bounds (60 + 30 + 2 x 45 s) fail first, saying which
 async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_client, tmp_path: Path) -> None:
     """1. A gateway and a synthetic worker run as processes; 12 requests are served; a simulated
        GPU worker reports memory and its placement through its heartbeat.
@@ -61,18 +62,22 @@ async def test_status_page_renders_its_numbers_in_chromium(stack: Stack, redis_c
     require_part(CHROMIUM, "no chromium binary (apt-get install -y chromium; .ci/run does)")
     stack.start_gateway(served_models="synthetic")
     stack.start_worker(model="synthetic")
-    await stack.wait_ready()
+    await stack.wait_ready(60)
     beating = asyncio.create_task(keep_beating(redis_client, Keys(str(stack.settings["key_prefix"]))))
     try:
-        async with httpx.AsyncClient(base_url=stack.url, timeout=30) as client:
-            for i in range(12):
-                assert (await client.post("/v1/models/synthetic/infer", json={"inputs": [i]})).status_code == 200
+        # Each phase has a bound of its own, so that a stall says where it was, with the stack's logs.
+        try:
+            async with asyncio.timeout(30), httpx.AsyncClient(base_url=stack.url, timeout=10) as client:
+                for i in range(12):
+                    assert (await client.post("/v1/models/synthetic/infer", json={"inputs": [i]})).status_code == 200
 
-            async def both_live() -> bool:
-                models = (await client.get("/status.json")).json()["models"]
-                return models[0]["live_workers"] == 2 and models[0]["workers"][1].get("items", 0) == 12
+                async def both_live() -> bool:
+                    models = (await client.get("/status.json")).json()["models"]
+                    return models[0]["live_workers"] == 2 and models[0]["workers"][1].get("items", 0) == 12
 
-            await wait_until(both_live, 10)
+                await wait_until(both_live, 10)
+        except (TimeoutError, httpx.HTTPError) as exc:
+            raise AssertionError(f"12 requests and /status.json within 30 s: {exc!r}; logs:\n{stack.logs()}") from exc
         dom = await asyncio.to_thread(run_chromium, stack.url + "/", tmp_path / "profile", "--dump-dom")
         ARTIFACTS.mkdir(exist_ok=True)
         shot = ARTIFACTS / "status-page.png"
