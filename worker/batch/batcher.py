@@ -14,11 +14,11 @@ Items are what is batched: an entry whose request carries 3 inputs counts 3 towa
   reassembles them in item order).
 
 The window is a shrinking deadline on the monotonic clock, `max_wait_ms` from the first entry,
-with one loop for every window length (0 included), that polls the stream without blocking
-(`poll_pause_ms`: Redis ends a short blocked read on its timer, not on time). It opens only when the previous batch held
-more than one item: at low load nothing else is queued and waiting would only add latency (a
-request alone would pay the whole window), while under load the previous batch was full and the window
-helps fill the next one. While the worker holds work carried over from earlier reads, it still
+with one loop for every window length (0 included) that polls the stream without blocking
+(`poll_pause_ms`: Redis ends a short blocked read on its timer, not on time). It opens only when
+the previous batch held more than one item: at low load nothing else is queued and waiting would
+only add latency (a request alone would pay the whole window), while under load the previous batch
+was full and the window helps fill the next one. While the worker holds work carried over from earlier reads, it still
 reads the stream between forwards, without blocking, so that newly arrived requests are seen.
 """
 
