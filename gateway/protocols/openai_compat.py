@@ -133,7 +133,6 @@ def _parse(raw: bytes) -> EmbeddingsRequest:
 # OpenAI request calls the same thing: its inputs are `input` and its switch a top-level `truncate`.
 _OPENAI_TERMS = (
     (re.compile(r"\bparameters\.truncate=true\b"), '"truncate": true in the body'),
-    (re.compile(r"\bopt into truncation\b"), 'set "truncate": true in the body'),
     # The field, not a count's noun: "300 inputs in one request" stays plural.
     (re.compile(r"(?<!\d )\binputs\b"), "input"),
 )

@@ -177,7 +177,8 @@ def validate_token_inputs(spec: ModelSpec, inputs: list[JsonValue], *, truncate:
             raise InvalidInputError(f"inputs[{i}]: a token-id input is a non-empty list of non-negative integers")
         if len(ids) > limit and not truncate:
             raise InputTooLongError(f"inputs[{i}]: {len(ids)} tokens, more than the {limit} the model's "
-                                    f"{spec.max_input_tokens}-token window holds besides [CLS] and [SEP]")
+                                    f"{spec.max_input_tokens}-token window holds besides [CLS] and [SEP]; "
+                                    "shorten it or set parameters.truncate=true to cut it")
         out.append(ids[:limit])
     return out
 

@@ -118,10 +118,12 @@ async def test_text_length_policy_at_the_gateway(gateway: httpx.AsyncClient) -> 
     response = await gateway.post("/v1/models/minilm/infer", json={"inputs": long_texts})
     assert response.status_code == 413 and code_of(response) == "input_too_long"
     assert str(2 * limit) in response.text and "256-token" in response.text
+    assert "set parameters.truncate=true" in response.json()["error"]["message"]  # how to opt in, natively
     cut = await gateway.post("/v1/models/minilm/infer", json={"inputs": long_texts, "parameters": {"truncate": True}})
     assert cut.status_code == 503
     ids = await gateway.post("/v1/embeddings", json={"model": "minilm", "input": list(range(300))})
     assert ids.status_code == 413 and ids.json()["error"]["code"] == "input_too_long"
+    assert 'set "truncate": true in the body' in ids.json()["error"]["message"]  # in the OpenAI body's terms
 
 
 async def test_error_bodies_carry_no_redis_address(

@@ -134,7 +134,8 @@ class TextClassifierBackend(_Classifier):
         if len(value) > self.max_input_chars:
             if not truncate:
                 raise InputTooLongError(f"inputs[{index}]: {len(value)} characters, more than the "
-                                        f"{self.max_input_chars} a {self.max_tokens}-token input may span")
+                                        f"{self.max_input_chars} a {self.max_tokens}-token input may span; "
+                                        "shorten it or set parameters.truncate=true to cut it")
             value = value[: self.max_input_chars]
         ids = self._tokenizer(value, verbose=False)["input_ids"]
         if len(ids) <= self._special:

@@ -104,7 +104,8 @@ class SentenceEmbeddingBackend:
             if len(value) > self.max_input_chars:
                 if not truncate:
                     raise InputTooLongError(f"inputs[{index}]: {len(value)} characters, more than the "
-                                            f"{self.max_input_chars} a {self.max_tokens}-token input may span")
+                                            f"{self.max_input_chars} a {self.max_tokens}-token input may "
+                                            "span; shorten it or set parameters.truncate=true to cut it")
                 value = value[: self.max_input_chars]
             # As sentence-transformers' preprocess: stripped; verbose=False: no warning per long text.
             body = list(tokenizer(value.strip(), add_special_tokens=False, verbose=False)["input_ids"])
