@@ -31,7 +31,7 @@ from vramguard.gateway.edge.checks import (
 from vramguard.gateway.inference import check_json_cost, dispatcher_of, inference_request, settings_of, submit
 from vramguard.gateway.protocols.openapi import error_responses, request_body
 from vramguard.gateway.protocols.render import FastJSONResponse
-from vramguard.gateway.protocols.schemas import check_wire_ints, json_fault, jsonable
+from vramguard.gateway.protocols.schemas import Parameters, check_wire_ints, json_fault, jsonable
 from vramguard.gateway.routes import has_api_key
 from vramguard.shared.errors import InvalidInputError, ModelNotFoundError, PayloadTooLargeError
 from vramguard.shared.models import InputKind, ModelSpec, TensorSpec
@@ -80,7 +80,7 @@ class V2InferRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     id: str | None = None
-    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
     inputs: Annotated[list[V2Tensor], Field(min_length=1)]
     outputs: list[V2Output] | None = None
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, StrictInt, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, StrictInt, ValidationError
 
 from vramguard.gateway.edge.checks import MAX_TIMEOUT_MS, check_text_length
 from vramguard.shared.errors import InputTooLongError, InvalidInputError, PayloadTooLargeError
@@ -30,13 +30,22 @@ class BodyNotJsonError(InvalidInputError):
     http_status = 400
 
 
+def _null_is_none_given(value: object) -> object:
+    return {} if value is None else value
+
+
+# A request's `parameters` object; `null` reads as none given, as `"timeout_ms": null` does: clients
+# that serialise every field of a request object send null for the ones left unset.
+Parameters = Annotated[dict[str, JsonValue], BeforeValidator(_null_is_none_given)]
+
+
 class InferRequest(BaseModel):
     """POST /v1/models/{model}/infer: `inputs` holds one value per item, in order."""
 
     model_config = ConfigDict(extra="forbid")
 
     inputs: Annotated[list[JsonValue], Field(min_length=1)]
-    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
     timeout_ms: Annotated[StrictInt | None, Field(ge=1, le=MAX_TIMEOUT_MS)] = None  # 100.0, "100", true: 422
 
 
