@@ -63,7 +63,7 @@ class V2Tensor(BaseModel):
     name: str
     shape: Annotated[list[Dimension], Field(max_length=MAX_DIMS)]
     datatype: str
-    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
     data: JsonValue = None
 
 
@@ -71,7 +71,7 @@ class V2Output(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    parameters: dict[str, JsonValue] = Field(default_factory=dict)
+    parameters: Parameters = Field(default_factory=dict)
 
 
 class V2InferRequest(BaseModel):

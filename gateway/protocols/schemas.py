@@ -34,9 +34,11 @@ def _null_is_none_given(value: object) -> object:
     return {} if value is None else value
 
 
-# A request's `parameters` object; `null` reads as none given, as `"timeout_ms": null` does: clients
-# that serialise every field of a request object send null for the ones left unset.
-Parameters = Annotated[dict[str, JsonValue], BeforeValidator(_null_is_none_given)]
+# A `parameters` object; `null` reads as none given, as `"timeout_ms": null` does: clients that
+# serialise every field of a request object send null for the ones left unset. The schema says null
+# is taken (json_schema_input_type: pydantic >= 2.10).
+Parameters = Annotated[dict[str, JsonValue],
+                       BeforeValidator(_null_is_none_given, json_schema_input_type=dict[str, JsonValue] | None)]
 
 
 class InferRequest(BaseModel):

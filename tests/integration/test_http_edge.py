@@ -92,9 +92,10 @@ async def test_parameters_are_the_models_declared_ones(gateway: httpx.AsyncClien
     assert wrong_type.status_code == 422 and "boolean" in wrong_type.text
     declared = await gateway.post("/v1/models/minilm/infer", json={"inputs": ["a"], "parameters": {"truncate": True}})
     assert declared.status_code == 503  # past the checks
-    v2_text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"]}
+    v2_text = {"name": "text", "shape": [1], "datatype": "BYTES", "data": ["a"], "parameters": None}
     for path, body in (("/v1/models/minilm/infer", {"inputs": ["a"], "parameters": None, "timeout_ms": None}),
-                       ("/v2/models/minilm/infer", {"inputs": [v2_text], "parameters": None})):
+                       ("/v2/models/minilm/infer", {"inputs": [v2_text], "parameters": None,
+                                                    "outputs": [{"name": "embedding", "parameters": None}]})):
         none_given = await gateway.post(path, json=body)  # null reads as absent, as for timeout_ms
         assert none_given.status_code == 503, (path, none_given.text)
     for value in ("yes", 1):  # the OpenAI route's truncate is as strict as the native one
