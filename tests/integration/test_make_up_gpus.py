@@ -150,7 +150,7 @@ gpus = [1]
 workers = 2
 """
 LOAD_CLIENTS = 200
-LOAD_S = 30.0
+LOAD_S = 15.0
 MIB = 1024 * 1024
 
 
@@ -160,7 +160,7 @@ async def test_three_and_two_workers_on_two_gpus_under_200_clients(redis_server:
                                                                    tmp_path: Path) -> None:
     """1. make up PLACEMENT=... on two simulated GPUs of 512 MiB: 3 synthetic workers on GPU 0,
        2 on GPU 1 (per-item simulated memory, batches up to 64).
-    2. 200 closed-loop clients for 30 s.
+    2. 200 closed-loop clients for 15 s.
     Result: every request answered 200 with its own output, no OOM event, every worker's
     CUDA_VISIBLE_DEVICES (read from the process) is its own GPU, and on each GPU the workers'
     peaks add up to at most watermark x the GPU's total."""

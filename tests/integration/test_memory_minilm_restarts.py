@@ -27,7 +27,7 @@ from vramguard.worker.models import create_backend
 
 MIB = 1024 * 1024
 SIM_BYTES = 512 * MIB
-ROUNDS = 5
+ROUNDS = 3
 DEADLINE_MS = 300_000
 TEXTS = [" ".join(["token"] * (1 + (7 * i) % 90)) + f" number {i}" for i in range(48)]
 
@@ -49,7 +49,7 @@ def cpu_embeddings() -> dict[str, np.ndarray]:
 async def test_two_minilm_workers_restarted_under_load_never_oom_and_embed_as_the_cpu(stack: Stack,
                                                                                        tmp_path: Path) -> None:
     """1. Two minilm workers, shares 0.4 + 0.4 of a 512 MiB simulated GPU, under one supervisord.
-    2. Eight clients send texts of 2-92 words; each worker is SIGKILLed 5 times (both in each round,
+    2. Eight clients send texts of 2-92 words; each worker is SIGKILLed 3 times (both in each round,
        a random moment apart), supervisord restarts it, the next round starts when both are live
        and have answered 16 more requests (a request queued while both restart must get its turn).
     Result: 0 OOM events, the GPU never over its total nor a worker over its cap, every request
