@@ -23,7 +23,7 @@ SIM_BYTES = 512 * MIB
 # Per worker: 128 MiB of weights, a forward 16 MiB + 30 MiB per item. Measuring 1, 2, 4 and 8 items
 # (46 to 256 MiB) takes more than a share of 0.4 (204.8 MiB) holds next to the weights.
 PARAMS = json.dumps({"batch_ms": 5, "weights_mib": 128, "fixed_mib": 16, "item_mib": 30})
-RESTARTS = 10
+RESTARTS = 5
 CLIENTS = 10
 
 
@@ -36,12 +36,12 @@ async def beats(client: httpx.AsyncClient) -> dict[str, dict[str, object]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-async def test_a_worker_restarted_10_times_next_to_a_busy_one_never_takes_its_memory(
+async def test_a_worker_restarted_5_times_next_to_a_busy_one_never_takes_its_memory(
     stack: Stack, tmp_path: Path,
 ) -> None:
     """1. One simulated GPU of 512 MiB; worker A with a share of 0.4 serves 10 closed-loop clients.
     2. Worker B, share 0.4, starts next to it (its measuring grid would need more than its share),
-       becomes live and is SIGKILLed, 10 times over, while the load runs.
+       becomes live and is SIGKILLed, 5 times over, while the load runs.
     3. A watcher reads the GPU's ledger (what NVML would show per process) all along.
     Result: A had 0 OOM events; no request failed; every B kept its reserved memory within its
     cap at every sample; reserved + memory outside the allocator of all processes never passed the
