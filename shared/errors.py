@@ -71,6 +71,10 @@ class InputTooLongError(InvalidInputError):
     code = "input_too_long"
     http_status = 413
 
+    # Every message of this error ends with how to opt in, in the native request's terms; the OpenAI
+    # routes rewrite `parameters.truncate=true` into their body's `"truncate": true`.
+    HINT = "shorten it or set parameters.truncate=true to cut it"
+
 
 class ContextLengthExceededError(InvalidInputError):
     """A generation whose prompt, or prompt plus max_tokens, does not fit the model's context

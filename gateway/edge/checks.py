@@ -151,8 +151,7 @@ def check_text_length(spec: ModelSpec, index: int, text: str, truncate: bool) ->
         if not truncate:
             raise InputTooLongError(
                 f"inputs[{index}]: {len(text)} characters, more than the {limit} that the model's "
-                f"{spec.max_input_tokens}-token window can span; shorten it or set parameters.truncate=true "
-                "to cut it"
+                f"{spec.max_input_tokens}-token window can span; {InputTooLongError.HINT}"
             )
         text = text[:limit]
     if not has_visible_character(text):

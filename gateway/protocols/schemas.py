@@ -189,7 +189,7 @@ def validate_token_inputs(spec: ModelSpec, inputs: list[JsonValue], *, truncate:
         if len(ids) > limit and not truncate:
             raise InputTooLongError(f"inputs[{i}]: {len(ids)} tokens, more than the {limit} the model's "
                                     f"{spec.max_input_tokens}-token window holds besides [CLS] and [SEP]; "
-                                    "shorten it or set parameters.truncate=true to cut it")
+                                    f"{InputTooLongError.HINT}")
         out.append(ids[:limit])
     return out
 

@@ -135,7 +135,7 @@ class TextClassifierBackend(_Classifier):
             if not truncate:
                 raise InputTooLongError(f"inputs[{index}]: {len(value)} characters, more than the "
                                         f"{self.max_input_chars} a {self.max_tokens}-token input may span; "
-                                        "shorten it or set parameters.truncate=true to cut it")
+                                        f"{InputTooLongError.HINT}")
             value = value[: self.max_input_chars]
         ids = self._tokenizer(value, verbose=False)["input_ids"]
         if len(ids) <= self._special:
@@ -143,7 +143,7 @@ class TextClassifierBackend(_Classifier):
         if len(ids) > self.max_tokens:
             if not truncate:
                 raise InputTooLongError(f"inputs[{index}]: {len(ids)} tokens, more than the model's "
-                                        f"{self.max_tokens}; shorten it or set parameters.truncate=true to cut it")
+                                        f"{self.max_tokens}; {InputTooLongError.HINT}")
             ids = self._tokenizer(value, truncation=True, max_length=self.max_tokens, verbose=False)["input_ids"]
         return [int(t) for t in ids]
 

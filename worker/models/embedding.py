@@ -105,7 +105,7 @@ class SentenceEmbeddingBackend:
                 if not truncate:
                     raise InputTooLongError(f"inputs[{index}]: {len(value)} characters, more than the "
                                             f"{self.max_input_chars} a {self.max_tokens}-token input may "
-                                            "span; shorten it or set parameters.truncate=true to cut it")
+                                            f"span; {InputTooLongError.HINT}")
                 value = value[: self.max_input_chars]
             # As sentence-transformers' preprocess: stripped; verbose=False: no warning per long text.
             body = list(tokenizer(value.strip(), add_special_tokens=False, verbose=False)["input_ids"])
@@ -122,7 +122,7 @@ class SentenceEmbeddingBackend:
             if not truncate:
                 raise InputTooLongError(
                     f"inputs[{index}]: {len(body) + special} tokens (special tokens included), more than the "
-                    f"model's {self.max_tokens}; shorten it or set parameters.truncate=true to cut it")
+                    f"model's {self.max_tokens}; {InputTooLongError.HINT}")
             body = body[: self.max_tokens - special]
         return [*self._prefix, *(int(t) for t in body), *self._suffix]
 
