@@ -1,7 +1,8 @@
 """Real Redis topologies for the failover and sharding tests: a Sentinel-managed primary with two
 replicas and three sentinels (the nodes started from the shipped deploy/redis/sentinel/redis.conf),
 and a 3-primary Redis Cluster, all `redis-server` processes on free loopback ports in a temp dir,
-tuned to fail over in about a second. Always `stop()` them."""
+tuned to fail over in about a second. Always `stop()` them (a `start()` that fails stops what it
+started before raising)."""
 
 from __future__ import annotations
 
@@ -111,11 +112,26 @@ class SentinelTopology(_Processes):
         return ",".join(f"127.0.0.1:{port}" for port in self.sentinels)
 
     def start(self) -> None:
+        """Start every node and sentinel; AssertionError, with all of them stopped, when the
+        sentinels do not know both replicas and each other within 30 s."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         limit = ("--min-replicas-to-write", str(self.min_replicas_to_write))
         self.spawn(self.primary, self._node_conf(self.primary), *_server_args(self.primary), *limit)
         for replica in (self.replica, self.second_replica):
             self.spawn(replica, self._node_conf(replica), *_server_args(replica), *limit,
                        "--replicaof", "127.0.0.1", str(self.primary))
+        # A sentinel learns the replicas from the primary's INFO, which it reads on connecting and
+        # then every 10 s (Redis' SENTINEL_INFO_PERIOD): replicas attached by then are known at once,
+        # while one attaching a moment later costs 10 s more (the settle below took over 30 s on a
+        # busy CI machine).
+        primary = redis.Redis(port=self.primary, socket_timeout=0.5)
+        wait_for(lambda: primary.info("replication")["connected_slaves"] >= 2, 10, "both replicas attached")
         for port in self.sentinels:
             conf = self.dir / f"sentinel-{port}.conf"  # sentinels rewrite their config: one file each
             conf.write_text(
@@ -163,6 +179,15 @@ class ClusterTopology(_Processes):
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
     def start(self) -> None:
+        """Start the three primaries and split the slots; AssertionError, with all of them
+        stopped, when the cluster is not ok within 30 s."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
         for port in self.ports:
             self.spawn(port, *_server_args(port), "--cluster-enabled", "yes", "--cluster-config-file",
                        f"nodes-{port}.conf", "--cluster-node-timeout", "2000")

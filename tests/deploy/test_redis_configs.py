@@ -46,3 +46,14 @@ def test_the_shipped_sentinel_config_monitors_the_name_the_settings_default_to()
     lines = (SENTINEL / "sentinel.conf").read_text().splitlines()
     monitor = next(line.split() for line in lines if line.startswith("sentinel monitor "))
     assert monitor[2] == "vramguard" and int(monitor[5]) == 2  # VRAMGUARD_REDIS_SENTINEL_MASTER's default, quorum
+
+
+def test_the_shipped_node_listens_on_the_port_the_shipped_sentinel_monitors() -> None:
+    """Both files as a user deploys them: the nodes start from redis.conf, the sentinels look for
+    the primary at sentinel.conf's `sentinel monitor` port (a node config rewritten by a test once
+    shipped with that test's port, where no sentinel looked)."""
+    node = (SENTINEL / "redis.conf").read_text().splitlines()
+    ports = [line.split()[1] for line in node if line.startswith("port ")]
+    sentinel = (SENTINEL / "sentinel.conf").read_text().splitlines()
+    monitor = next(line.split() for line in sentinel if line.startswith("sentinel monitor "))
+    assert ports == [monitor[4]] == ["6379"]
