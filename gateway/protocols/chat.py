@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Request
 from fastapi.responses import Response, StreamingResponse
 
+from vramguard.gateway.admission.deadline import Deadline
 from vramguard.gateway.admission.replies import ReplyStream
 from vramguard.gateway.edge.checks import JSON, BadBodyError, header_timeout, read_body, require_media_type
 from vramguard.gateway.edge.disconnect import unless_disconnected
@@ -145,9 +146,13 @@ async def _check_window(request: Request, model: str, prompt: object, max_tokens
 
 
 async def _next_reply(stream: ReplyStream, deadline: float) -> ReplyMessage:
-    """The stream's next reply. Raises DeadlineExceededError, ClientTooSlowError."""
+    """The stream's next reply. Raises DeadlineExceededError, ClientTooSlowError; a cancel of the
+    task (the client left) always propagates. Not asyncio.wait_for: on Python 3.11 it returns the
+    reply when the cancel lands as the reply arrives, and a whole completion's reading then goes
+    on to its end for a client that left."""
     try:
-        reply = await asyncio.wait_for(stream.queue.get(), max(0.0, deadline - time.monotonic()))
+        with Deadline(deadline - time.monotonic()):
+            reply = await stream.queue.get()
     except TimeoutError:
         raise DeadlineExceededError("the generation did not finish before its deadline") from None
     if stream.overflowed:

@@ -1,9 +1,10 @@
 """The gateway's reading of a generated reply's chunks (gateway/protocols/chat.py): text already
 forwarded is dropped (gateway/protocols/chunks.py), a client too far behind is cut, a worker's
-error ends the stream."""
+error ends the stream, and a cancel (the client left) ends the reading even as a chunk arrives."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -50,3 +51,20 @@ async def test_a_worker_error_or_the_deadline_ends_the_stream() -> None:
         await _read(stream)
     with pytest.raises(DeadlineExceededError):
         await _read(ReplyStream(4), timeout_s=0.05)  # nothing comes
+
+
+@pytest.mark.parametrize("passes", range(6))
+async def test_a_cancel_as_a_chunk_arrives_ends_the_reading(passes: int) -> None:
+    """The disconnect watch cancels the task reading a whole completion. A cancel that lands while
+    a chunk is being handed over (each of the first few loop passes after it is queued) must end
+    the reading: Python 3.11's asyncio.wait_for returned the chunk instead, the loop went on to
+    the next one, and the sequence ran to its end for a client that had left."""
+    stream = ReplyStream(16)
+    reader = asyncio.create_task(_read(stream))
+    await asyncio.sleep(0)  # waiting for its first chunk
+    stream.put(_chunk(1, "a"))
+    for _ in range(passes):
+        await asyncio.sleep(0)
+    assert reader.cancel()  # the reader waits for chunk 2 at the latest: not done
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(reader, 2)
