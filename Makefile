@@ -89,6 +89,10 @@ down status: $(VENV)/.installed
 # 10 minutes on 2 cores). `make test-all` (CI, .ci/run): every test, the `slow` ones too (chaos
 # scenarios, random placements, fault injection, multi-process scenarios, the benchmark's own tests),
 # then the compose check on a real Docker engine (scripts/compose_check.sh: root, docker.io, debootstrap).
+# `make test-all` runs the tests in TEST_PROCESSES pytest-xdist processes, grouped by module, the chaos
+# scenarios and the long CPU-bound modules one at a time in one of them (tests/conftest.py): one
+# process used about one core of two. TEST_PROCESSES=0 runs them all in this one process.
+TEST_PROCESSES ?= 2
 test: $(VENV)/.test-installed
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 
@@ -96,7 +100,7 @@ test: $(VENV)/.test-installed
 test-fast: test
 
 test-all: $(VENV)/.test-installed $(TRITON_VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
 	scripts/compose_check.sh
 
 # Best effort: without it the Triton test is skipped, saying why.

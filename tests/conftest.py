@@ -19,14 +19,29 @@ MIN_REDIS = (6, 2)
 
 FOLDER_MARKS = {"unit": "unit", "deploy": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
 
+# Under pytest-xdist (`make test-all` runs two test processes, `--dist loadgroup`), each module is
+# one unit of work, so that a module's fixtures (a stack, a loaded model) start once. These run
+# one after another in a single test process: the chaos scenarios, whose bounds are seconds under
+# faults, and the modules that keep a core busy for a minute or more (real models generating or
+# restarting, several workers under load). Beside them the other process runs the rest, which
+# mostly waits on processes, sockets and timers: the whole suite used about one of the two cores.
+SERIAL_MODULES = {
+    "test_generate_memory.py", "test_generate_metrics.py", "test_generate_pool.py", "test_generate_smollm2_pool.py",
+    "test_make_up_gpus.py", "test_memory_minilm_restarts.py", "test_memory_placements.py",
+    "test_memory_placements_real.py", "test_memory_restart.py", "test_model_folder.py",
+}
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        folder = Path(str(item.fspath)).parent.name
+        path = Path(str(item.fspath))
+        folder = path.parent.name
         if folder in FOLDER_MARKS:
             item.add_marker(getattr(pytest.mark, FOLDER_MARKS[folder]))
         if folder == "chaos":
             item.add_marker(pytest.mark.slow)
+        serial = folder == "chaos" or path.name in SERIAL_MODULES
+        item.add_marker(pytest.mark.xdist_group("serial" if serial else f"{folder}/{path.name}"))
 
 
 @pytest.fixture(scope="session")
