@@ -100,7 +100,7 @@ test: $(VENV)/.test-installed
 test-fast: test
 
 test-all: $(VENV)/.test-installed $(TRITON_VENV)/.installed
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadgroup $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -n $(TEST_PROCESSES) $(PYTEST_ARGS)
 	scripts/compose_check.sh
 
 # Best effort: without it the Triton test is skipped, saying why.

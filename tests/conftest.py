@@ -19,12 +19,22 @@ MIN_REDIS = (6, 2)
 
 FOLDER_MARKS = {"unit": "unit", "deploy": "unit", "integration": "integration", "chaos": "chaos", "gpu": "gpu"}
 
-# Under pytest-xdist (`make test-all` runs two test processes, `--dist loadgroup`), each module is
-# one unit of work, so that a module's fixtures (a stack, a loaded model) start once. These run
-# one after another in a single test process: the chaos scenarios, whose bounds are seconds under
-# faults, and the modules that keep a core busy for a minute or more (real models generating or
-# restarting, several workers under load). Beside them the other process runs the rest, which
-# mostly waits on processes, sockets and timers: the whole suite used about one of the two cores.
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.fspath)).parent.name
+        if folder in FOLDER_MARKS:
+            item.add_marker(getattr(pytest.mark, FOLDER_MARKS[folder]))
+        if folder == "chaos":
+            item.add_marker(pytest.mark.slow)
+
+
+# Under pytest-xdist (`make test-all` runs two test processes) each module is one unit of work, so
+# that its fixtures (a stack, a loaded model) start once. These run one after another in a single
+# test process: the chaos scenarios, whose bounds are seconds under faults, and the modules that
+# keep a core busy for a minute or more (real models generating or restarting, several workers
+# under load). Beside them the other process runs the rest, which mostly waits on processes,
+# sockets and timers: the whole suite in one process used about one core of two.
 SERIAL_MODULES = {
     "test_generate_memory.py", "test_generate_metrics.py", "test_generate_pool.py", "test_generate_smollm2_pool.py",
     "test_make_up_gpus.py", "test_memory_minilm_restarts.py", "test_memory_placements.py",
@@ -32,16 +42,22 @@ SERIAL_MODULES = {
 }
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        path = Path(str(item.fspath))
-        folder = path.parent.name
-        if folder in FOLDER_MARKS:
-            item.add_marker(getattr(pytest.mark, FOLDER_MARKS[folder]))
-        if folder == "chaos":
-            item.add_marker(pytest.mark.slow)
-        serial = folder == "chaos" or path.name in SERIAL_MODULES
-        item.add_marker(pytest.mark.xdist_group("serial" if serial else f"{folder}/{path.name}"))
+def work_unit(nodeid: str) -> str:
+    """The unit of work a test belongs to under pytest-xdist: "serial", or its module's path."""
+    path = nodeid.split("::", 1)[0]
+    return "serial" if path.startswith("tests/chaos/") or path.rsplit("/", 1)[-1] in SERIAL_MODULES else path
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's load-scope scheduler with `work_unit` as the scope (its own `--dist loadgroup` reads
+    groups from test ids, which pytest-asyncio's test items do not carry)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return ByWorkUnit(config, log)
 
 
 @pytest.fixture(scope="session")
