@@ -30,12 +30,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # Under pytest-xdist (`make test-all` runs two test processes) each module is one unit of work, so
-# that its fixtures (a stack, a loaded model) start once. These run one after another in a single
-# test process: the chaos scenarios, whose bounds are seconds under faults, and the modules that
-# keep a core busy for a minute or more (real models generating or restarting, several workers
-# under load). Beside them the other process runs the rest, which mostly waits on processes,
-# sockets and timers: the whole suite in one process used about one core of two.
+# that its fixtures (a stack, a loaded model) start once. One unit, "serial", runs its modules one
+# after another in a single test process: the chaos scenarios and the other modules whose bounds
+# are seconds under load (tests.helpers.load_slack: a 4xx within 1 s of its first byte, measured
+# with a niced helper, took 2 s beside a generating model), and the modules that keep a core busy
+# for a minute or more (real models generating or restarting, random placements, several workers
+# under load), so that no two of those overlap. Beside them the other process runs the rest, which
+# mostly waits on processes, sockets and timers: the whole suite in one process used about one core
+# of two.
 SERIAL_MODULES = {
+    # bounds of seconds, scaled by load_slack
+    "test_event_loop_bound.py", "test_http_server.py", "test_worker_alive.py",
+    # a core busy for a minute or more
     "test_generate_memory.py", "test_generate_metrics.py", "test_generate_pool.py", "test_generate_smollm2_pool.py",
     "test_make_up_gpus.py", "test_memory_minilm_restarts.py", "test_memory_placements.py",
     "test_memory_placements_real.py", "test_memory_restart.py", "test_model_folder.py",

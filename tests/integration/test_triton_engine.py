@@ -11,6 +11,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,9 +35,10 @@ def _pytriton_venv() -> None:
 class TritonServer:
     """triton_doubler.py on fixed ports, so that it can stop and start again at the same address."""
 
-    def __init__(self, log_path: Path) -> None:
+    def __init__(self, log_path: Path, scratch: Path) -> None:
         self.ports = [free_port(), free_port(), free_port()]  # HTTP, gRPC, metrics
         self.log_path = log_path
+        self.scratch = scratch  # its TMPDIR and workspaces
         self.starts = 0
         self.model_copies: set[Path] = set()
         self.proc: subprocess.Popen[bytes] | None = None
@@ -47,11 +49,11 @@ class TritonServer:
 
     async def start(self) -> None:
         self.starts += 1
-        workspace = self.log_path.parent / f"triton-workspace-{self.starts}"  # PyTriton's; a new one each start
+        workspace = self.scratch / f"workspace-{self.starts}"  # PyTriton's; a new one each start
         before = set(Path("/tmp").glob("folder*"))  # tritonserver's python backend copies models to /tmp/folderXXXXXX
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen([str(TRITON_PYTHON), str(SERVER), *map(str, self.ports), str(workspace)],
-                                         cwd=ROOT, env={**os.environ, "TMPDIR": str(self.log_path.parent)},
+                                         cwd=ROOT, env={**os.environ, "TMPDIR": str(self.scratch)},
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
         async def ready() -> bool:
@@ -101,9 +103,15 @@ def _listening(port: int) -> bool:
 
 @pytest.fixture
 def triton(tmp_path: Path) -> Iterator[TritonServer]:
-    server = TritonServer(tmp_path / "triton.log")
-    yield server
-    server.stop()
+    # A short folder for PyTriton's workspace and TMPDIR: it binds Unix sockets in them, and a path
+    # past 107 bytes fails (AF_UNIX path too long), as one in tmp_path does under pytest-xdist.
+    scratch = Path(tempfile.mkdtemp(prefix="vg-triton-"))
+    server = TritonServer(tmp_path / "triton.log", scratch)
+    try:
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def models_file(folder: Path, base_url: str) -> Path:
