@@ -66,6 +66,17 @@ class _Processes:
         log.close()
         wait_for(lambda: redis.Redis(port=port, socket_timeout=0.5).ping(), 10, f"redis on port {port}")
 
+    def start(self) -> None:
+        """Start the topology (`_start`); when that fails, stop what it started, then raise."""
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
     def kill(self, port: int) -> None:
         proc = self.procs.pop(port)
         proc.send_signal(signal.SIGKILL)
@@ -111,16 +122,9 @@ class SentinelTopology(_Processes):
     def addresses(self) -> str:
         return ",".join(f"127.0.0.1:{port}" for port in self.sentinels)
 
-    def start(self) -> None:
-        """Start every node and sentinel; AssertionError, with all of them stopped, when the
-        sentinels do not know both replicas and each other within 30 s."""
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-
     def _start(self) -> None:
+        """Every node and sentinel; AssertionError when the sentinels do not know both replicas
+        and each other within 30 s."""
         limit = ("--min-replicas-to-write", str(self.min_replicas_to_write))
         self.spawn(self.primary, self._node_conf(self.primary), *_server_args(self.primary), *limit)
         for replica in (self.replica, self.second_replica):
@@ -178,16 +182,8 @@ class ClusterTopology(_Processes):
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.ports[0]}/0"
 
-    def start(self) -> None:
-        """Start the three primaries and split the slots; AssertionError, with all of them
-        stopped, when the cluster is not ok within 30 s."""
-        try:
-            self._start()
-        except BaseException:
-            self.stop()
-            raise
-
     def _start(self) -> None:
+        """The three primaries, the slots split; AssertionError when the cluster is not ok within 30 s."""
         for port in self.ports:
             self.spawn(port, *_server_args(port), "--cluster-enabled", "yes", "--cluster-config-file",
                        f"nodes-{port}.conf", "--cluster-node-timeout", "2000")
