@@ -72,9 +72,14 @@ class PrimaryWatch:
         """Sleep `delay_s` (a reader's back-off after a failed Redis call), or less: until the
         sentinels name a new primary. A reader backing off through a failover (its calls fail
         while no primary is named, so its back-off grows towards seconds) reads again the moment
-        the new primary is known, instead of after the rest of its back-off."""
+        the new primary is known, instead of after the rest of its back-off.
+
+        A cancel always propagates, even one that comes as a switch ends the pause: not
+        asyncio.wait_for, which on Python 3.11 returns when its inner wait finished in the same loop
+        pass as the cancel, and so swallows it (a reader cancelled at shutdown would read on)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._switched.wait(), delay_s)
+            async with asyncio.timeout(delay_s):
+                await self._switched.wait()
 
     async def _check(self) -> None:
         assert self._sentinel is not None
