@@ -14,7 +14,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from vramguard.worker.generate import attention
 from vramguard.worker.generate.attention import ATTENTION, StepLayout
-from vramguard.worker.generate.causal_lm import lay_out_weights_for_cpu, packed_inputs
+from vramguard.worker.generate.causal_lm import packed_inputs
+from vramguard.worker.generate.cpu_layout import lay_out_weights_for_cpu
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.sampling import SamplingParams
