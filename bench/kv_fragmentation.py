@@ -66,14 +66,22 @@ class Outcome:
 def start(device_mib: int, kv_kib: int, layers: int) -> tuple[SyntheticLMBackend, KVPlan, KVPool]:
     """The model loaded on a fresh simulated GPU of `device_mib`, its KV plan and pool, as a worker
     with the default memory share makes them."""
+    return start_synthetic(MODELS_FILE.format(max_running=MAX_RUNNING, kv_kib=kv_kib, layers=layers), device_mib,
+                           MAX_RUNNING)
+
+
+def start_synthetic(models_file: str, device_mib: int, max_running: int) -> tuple[SyntheticLMBackend, KVPlan, KVPool]:
+    """The model `simlm` of `models_file` (a models file's TOML) loaded on a fresh simulated GPU of
+    `device_mib`, its KV plan for `max_running` sequences and its pool, as a worker with the default
+    memory share makes them."""
     with tempfile.TemporaryDirectory() as folder:
         models = Path(folder) / "models.toml"
-        models.write_text(MODELS_FILE.format(max_running=MAX_RUNNING, kv_kib=kv_kib, layers=layers))
+        models.write_text(models_file)
         settings = Settings(model="simlm", models_file=str(models), device="sim", sim_memory_bytes=device_mib * MIB)
         config = settings.model_config_for("simlm")
         backend = SyntheticLMBackend(config, "sim", settings)
         budget = start_budget(backend, settings, config, register=False)
-    plan, pool = build_kv_plan(backend, budget, MAX_RUNNING, config.params)
+    plan, pool = build_kv_plan(backend, budget, max_running, config.params)
     return backend, plan, pool
 
 

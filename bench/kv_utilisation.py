@@ -36,24 +36,19 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import tempfile
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 
 from bench.generate_mixed import target_lengths
+from bench.kv_fragmentation import start_synthetic
 from vramguard.shared.protocol import EntryId, RequestId
-from vramguard.shared.settings import Settings
 from vramguard.worker.generate.engine import Engine
-from vramguard.worker.generate.kvmeasure import build_kv_plan
 from vramguard.worker.generate.kvplan import KVPlan
 from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.sampling import SamplingParams
 from vramguard.worker.generate.sequence import Sequence
 from vramguard.worker.generate.synthetic_lm import SyntheticLMBackend
-from vramguard.worker.memory.budget import start_budget
 
-MIB = 1024 * 1024
 REQUESTS = 128
 WINDOW = 2048  # SmolLM2's context window
 POOL_TOKENS = 8736  # bench/generate.py's KV_POOL_BYTES (384 MiB) for SmolLM2 in float32, whole blocks
@@ -94,15 +89,7 @@ class Utilisation:
 
 def start() -> tuple[SyntheticLMBackend, KVPlan, KVPool]:
     """The synthetic model on a fresh simulated GPU of DEVICE_MIB, its KV plan and pool."""
-    with tempfile.TemporaryDirectory() as folder:
-        models = Path(folder) / "models.toml"
-        models.write_text(MODELS_FILE)
-        settings = Settings(model="simlm", models_file=str(models), device="sim", sim_memory_bytes=DEVICE_MIB * MIB)
-        config = settings.model_config_for("simlm")
-        backend = SyntheticLMBackend(config, "sim", settings)
-        budget = start_budget(backend, settings, config, register=False)
-    plan, pool = build_kv_plan(backend, budget, MAX_RUNNING, config.params)
-    return backend, plan, pool
+    return start_synthetic(MODELS_FILE, DEVICE_MIB, MAX_RUNNING)
 
 
 def workload(requests: int, seed: int) -> list[tuple[Sequence, int]]:
