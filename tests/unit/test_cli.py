@@ -186,6 +186,21 @@ def test_status_port_finds_the_stack_make_up_started_in_dot_run(vramguard: Calla
     assert done.returncode == 3 and f"no stack runs in {state_run_dir}" in done.stdout, done
 
 
+@pytest.mark.parametrize(("name", "code"), [("status", 3), ("down", 0)])
+def test_a_port_without_a_stack_says_how_to_name_a_stack_started_elsewhere(
+        vramguard: Callable[..., Ran], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, code: int) -> None:
+    """A stack started with `up --run-dir D` lives outside the folders `--port` searches (the state
+    dir and ./.run): the answer for a port with no stack there says to name the folder; one for a
+    named folder does not."""
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    monkeypatch.chdir(tmp_path)
+    hint = f"{name}: a stack started with --run-dir DIR is found with `vramguard {name} --run-dir DIR`\n"
+    done = vramguard(name, "--port", str(free_port()))
+    assert done.returncode == code and done.stdout.endswith(hint), done
+    done = vramguard(name, "--run-dir", str(tmp_path / "elsewhere"))
+    assert done.returncode == code and hint not in done.stdout, done
+
+
 def test_a_misspelled_datatype_in_the_models_file_is_one_line_naming_the_field(vramguard: Callable[..., Ran],
                                                                               tmp_path: Path) -> None:
     models = tmp_path / "models.toml"

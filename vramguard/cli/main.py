@@ -112,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = stack_dir(args)
         if isinstance(run_dir, int):
             return run_dir
-        return stack.down(run_dir) if args.command == "down" else stack.status(run_dir)
+        ran = stack.running_pid(run_dir) is not None
+        code = stack.down(run_dir) if args.command == "down" else stack.status(run_dir)
+        if not ran and args.run_dir is None:  # only the default folders are searched: no registry of the others
+            print(f"{args.command}: a stack started with --run-dir DIR is found with "
+                  f"`vramguard {args.command} --run-dir DIR`")
+        return code
     except up.Refused as exc:  # `check` refuses with `up`'s helpers; the line names the command the user ran
         try:
             print(f"{args.command}: {exc}", file=sys.stderr, flush=True)
