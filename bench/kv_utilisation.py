@@ -109,8 +109,8 @@ def run(policy: str, requests: int = REQUESTS, seed: int = 0) -> Utilisation:
     """`policy` (POLICIES) over one workload on a fresh device; see the module docstring."""
     if policy not in POLICIES:
         raise ValueError(f"policy is one of {POLICIES}, got {policy!r}")
-    _backend, plan, pool = start()
-    engine = Engine(_backend, pool, plan.token_budget, plan.max_running)
+    backend, plan, pool = start()
+    engine = Engine(backend, pool, plan.token_budget, plan.max_running)
     pending = deque(workload(requests, seed))
     answers = {id(seq): answer for seq, answer in pending}
     reserved = 0  # prompt + max_tokens of the requests handed to the engine and not finished
@@ -128,8 +128,7 @@ def run(policy: str, requests: int = REQUESTS, seed: int = 0) -> Utilisation:
         engine.remove({id(s) for s in done})
         steps += 1
         if _memory_binds(policy, engine, pool, plan, pending, reserved):
-            held = sum(s.prefilled for s in engine.running)
-            samples.append((held / plan.tokens_fit, len(engine.running)))
+            samples.append((engine.tokens_held() / plan.tokens_fit, len(engine.running)))
     running = [r for _, r in samples]
     return Utilisation(policy, plan.tokens_fit, steps, len(samples),
                        statistics.median(u for u, _ in samples) if samples else 0.0,

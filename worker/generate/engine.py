@@ -79,6 +79,11 @@ class Engine:
     def sequences(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
 
+    def tokens_held(self) -> int:
+        """Tokens whose keys and values the running sequences have written to the pool (blocks given
+        for a prompt not yet prefilled hold none)."""
+        return sum(s.prefilled for s in self.running)
+
     def room(self, rows: int) -> int:
         """How many more sequences to take from the stream now: none while one waits for blocks,
         else what the free blocks hold at the blocks admissions took so far, within `rows`."""

@@ -142,7 +142,7 @@ class GenerationServer:
         self._intake.note_running(stats.running)
         stats.kv_blocks_total, stats.kv_blocks_used = pool.num_blocks, pool.held_blocks()
         stats.kv_blocks_shared = pool.shared_blocks()
-        stats.kv_tokens_held = sum(s.prefilled for s in engine.running)
+        stats.kv_tokens_held = engine.tokens_held()
         stats.kv_bytes_used = stats.kv_tokens_held * self.plan.bytes_per_token
         stats.kv_bytes_reserved = stats.kv_blocks_used * self.plan.block_tokens * self.plan.bytes_per_token
         stats.kv_bytes_peak = max(stats.kv_bytes_peak, stats.kv_bytes_reserved)
