@@ -1,8 +1,9 @@
 """A packed generation step (worker/generate/causal_lm.py, attention.py) computes what the model
 computes for each sequence alone: a small random Llama, its paged KV pool, chunked prefills and
 decodes of several sequences in one step, against plain forwards of each sequence's whole context;
-each step's layout is worked out once, not once per layer; and the CPU's weight layout changes no
-output and leaves no weight in the file it was loaded from."""
+each step's layout is worked out once, not once per layer; and the CPU's weight layout (a oneDNN
+copy of each linear weight) changes no output, gives a row the same bits whatever rows are beside
+it, and leaves no weight in the file it was loaded from."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from vramguard.worker.generate import attention
 from vramguard.worker.generate.attention import ATTENTION, StepLayout
 from vramguard.worker.generate.causal_lm import packed_inputs
-from vramguard.worker.generate.cpu_layout import lay_out_weights_for_cpu
+from vramguard.worker.generate.cpu_layout import PackedLinear, lay_out_weights_for_cpu
 from vramguard.worker.generate.engine import Chunk
 from vramguard.worker.generate.kvpool import KVPool
 from vramguard.worker.generate.sampling import SamplingParams
@@ -54,24 +55,43 @@ def _paged(num_blocks: int, monkeypatch: pytest.MonkeyPatch) -> tuple[LlamaForCa
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_transposed_weights_keep_shapes_ties_and_outputs(tied: bool) -> None:
+def test_packed_weights_keep_shapes_ties_and_outputs(tied: bool) -> None:
     model = _model(tied)
     ids = list(range(3, 40))
     before = _last_logits(model, ids)
     shapes = {name: p.shape for name, p in model.named_parameters()}
-    laid_out = lay_out_weights_for_cpu(model)
-    assert laid_out == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    packed = lay_out_weights_for_cpu(model)
+    assert packed == 2 * 7 + 1  # q k v o gate up down per layer, and the head
+    assert isinstance(model.lm_head, PackedLinear) and isinstance(model.model.layers[1].mlp.down_proj, PackedLinear)
     assert {name: p.shape for name, p in model.named_parameters()} == shapes
-    assert not model.model.layers[0].self_attn.q_proj.weight.is_contiguous()
-    assert not model.lm_head.weight.is_contiguous()
     assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied  # a tie stays one tensor
-    torch.testing.assert_close(_last_logits(model, ids), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_last_logits(model, ids), before, rtol=1e-5, atol=1e-5)  # 37 rows: oneDNN
+    torch.testing.assert_close(_last_logits(model, ids[:1]), _plain_last_logits(tied, ids[:1]), rtol=1e-5, atol=1e-5)
+
+
+def _plain_last_logits(tied: bool, ids: list[int]) -> torch.Tensor:
+    return _last_logits(_model(tied), ids)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_product_row_is_the_same_bits_whatever_rows_are_beside_it(bias: bool) -> None:
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(576, 1536, bias=bias)
+    model = torch.nn.Sequential(linear)
+    assert lay_out_weights_for_cpu(model) == 1  # type: ignore[arg-type]
+    rows = torch.randn(300, 576)
+    with torch.inference_mode():
+        alone_in_two = linear(rows[:2])[:1]
+        for n in (3, 8, 17, 32, 33, 64, 256, 300):
+            assert torch.equal(linear(rows[:n])[:1], alone_in_two), n
+        torch.testing.assert_close(linear(rows[:1]), alone_in_two, rtol=1e-5, atol=1e-5)  # one row: MKL
+        torch.testing.assert_close(linear(rows[None, :5]), torch.nn.functional.linear(rows[:5], linear.weight,
+                                   linear.bias)[None], rtol=1e-5, atol=1e-5)  # [1, rows, in] as a step passes it
 
 
 def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
     _model(tied=True).save_pretrained(tmp_path)
     model = LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
-    model.model.gate = torch.nn.Linear(64, 1, bias=False)  # one output: its transpose is contiguous already
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     before = {name: t.data_ptr() for name, t in tensors.items()}
     lay_out_weights_for_cpu(model)
