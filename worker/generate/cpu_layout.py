@@ -19,16 +19,16 @@ class PackedLinear(torch.nn.Linear):
     2024.2), SmolLM2-135M's decode steps, engines alternating step by step in one process, medians
     of 56-92 steps:
     - at 8 and 32 rows oneDNN on the packed weight is faster: whole steps 0.73-0.81x the time at 8
-      sequences, 0.84-0.88x at 32; MKL's sgemm repacks the weight on every call, and on the 49,152-wide
-      output head it took 26 ms at 2 rows where it takes 11.5 at 1 (oneDNN: 13);
+      sequences, 0.84-0.88x at 32; MKL's sgemm repacks the weight on every call, and on the
+      49,152-wide output head it took 26 ms at 2 rows where it takes 11.5 at 1 (oneDNN: 13);
     - at one row MKL's sgemv is faster: whole steps 1.29-1.37x the time with oneDNN (each call into
       oneDNN costs about 40 us more before its kernel runs, 211 calls a step), and padding the row
       to two did not help.
     A row of a oneDNN product is the same bits whatever rows are beside it (measured: a row alone
     and in 2 to 295 rows, every weight shape of SmolLM2), so sequences stepped together do not
     change each other's tokens; MKL's sgemm does not give that (the same check: all 162 rows
-    differed in some bit). A sequence decoding alone (one row, MKL) and beside others (oneDNN) still take
-    different kernels, so its greedy text can differ in a near tie, as it could before.
+    differed in some bit). A sequence decoding alone (one row, MKL) and beside others (oneDNN)
+    still takes different kernels, so its greedy text can differ in a near tie, as it could before.
 
     The cost is a second copy of each weight (SmolLM2: the resident set grew by 1,301 MB while
     loading, against 694 MB with one copy, for a 540 MB file): the memory plan counts it, since it
