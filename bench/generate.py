@@ -94,15 +94,15 @@ def model_folder() -> Path:
 
 
 def memory_share(folder: Path) -> float:
-    """The worker's share of this machine's memory: twice the weights (the folder's safetensors,
-    float32) plus twice KV_POOL_BYTES, as the worker measures memory on the CPU (all of RAM). The
-    worker measures its weights as its resident set grew while loading them, and on the CPU it
-    holds each linear weight twice, as loaded and packed for oneDNN (worker/generate/cpu_layout.py;
-    SmolLM2: 1,301 MB for a 540 MB file, allocator overheads beside the copies), so a share of
-    twice the file + KV_POOL_BYTES would leave its plan less than KV_POOL_BYTES; the pool is capped
+    """The worker's share of this machine's memory: three times the weights (the folder's
+    safetensors, float32) plus twice KV_POOL_BYTES, as the worker measures memory on the CPU (all of
+    RAM). The worker measures its weights as its resident set grew while loading them, and on the
+    CPU that is the file, a copy of each linear weight packed for oneDNN and what oneDNN builds for
+    it (worker/generate/cpu_layout.py; SmolLM2: 1,474 MB for a 540 MB file), so a smaller share
+    would leave its plan less than KV_POOL_BYTES after the step's activations; the pool is capped
     at kv_pool_tokens, so both systems hold the same KV cache."""
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    return (2 * weights + 2 * KV_POOL_BYTES) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return (3 * weights + 2 * KV_POOL_BYTES) / (os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
 def kv_pool_tokens(folder: Path) -> int:
