@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
+import psutil
 import redis
 import tomli_w
 
@@ -34,6 +35,67 @@ def load_slack() -> float:
     4xx within 1 s) is asserted as `bound_s * load_slack()`: met as written on a quiet machine (CI),
     scaled on a 2-core machine that eight jobs share, where the kernel alone delays every process."""
     return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
+class RunQueue:
+    """The kernel's count of runnable tasks, sampled while a test runs: the number before the `/`
+    in /proc/loadavg's fourth field (proc(5)), which counts the reader too. The minute's average
+    that load_slack() reads trails a burst by tens of seconds, and the burst that matters is often
+    the test's own: four uploads, the gateway and its counting helper on two cores. Call sample()
+    in the test's probe loop; slack() is the larger of load_slack() and the mean runnable tasks per
+    core over the samples (at least 1)."""
+
+    def __init__(self) -> None:
+        self.samples: list[int] = []
+
+    def sample(self) -> None:
+        """Reads /proc/loadavg once; where it does not exist (not Linux) nothing is recorded."""
+        try:
+            fields = Path("/proc/loadavg").read_text().split()
+        except OSError:
+            return
+        self.samples.append(int(fields[3].split("/")[0]))
+
+    def slack(self) -> float:
+        """The bound's multiplier: max(load_slack(), mean runnable tasks / cores), at least 1."""
+        if not self.samples:
+            return load_slack()
+        return max(load_slack(), sum(self.samples) / len(self.samples) / (os.cpu_count() or 1))
+
+
+class RunnableWait:
+    """Seconds that processes spent runnable but not running: the kernel kept a core from them for
+    other work. The second field of /proc/<pid>/task/<tid>/schedstat, in ns (the kernel's
+    Documentation/scheduler/sched-stats.rst), summed over the threads of `pids` and their children
+    from construction to `seconds()`. A bound on a request's time that passes through a niced
+    process (the gateway's JSON counter, nice 10) cannot be scaled by the machine's load alone: two
+    busy neighbours leave it a twentieth of a core (CFS weighs nice 10 at 110 against 1024), so the
+    bound is asserted as `bound_s + seconds()` instead. A thread that ends in between takes its
+    share with it: the figure can only come out low, which makes such a bound tighter."""
+
+    def __init__(self, *pids: int) -> None:
+        self.pids = pids
+        self._start = self._total_s()
+
+    def _total_s(self) -> float:
+        total_ns = 0
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                processes = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                continue
+            for process in processes:
+                for task in Path(f"/proc/{process.pid}/task").glob("*/schedstat"):
+                    try:
+                        total_ns += int(task.read_text().split()[1])
+                    except (OSError, IndexError, ValueError):  # the thread ended while read
+                        continue
+        return total_ns / 1e9
+
+    def seconds(self) -> float:
+        """The waiting since construction, in seconds (0 where /proc has no schedstat)."""
+        return max(0.0, self._total_s() - self._start)
 
 
 def synthetic_lm_models(folder: Path, *, window: int, params: dict[str, float] | None = None,

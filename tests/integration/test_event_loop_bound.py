@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -15,7 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import pytest
 
-from tests.helpers import RedisServer, Stack, load_slack, wait_until
+from tests.helpers import RedisServer, RunnableWait, RunQueue, Stack, wait_until
 
 CAP = 8 * 1024 * 1024  # VRAMGUARD_MAX_BODY_BYTES' default, which the stack keeps
 
@@ -160,14 +161,17 @@ async def test_health_live_answers_within_100_ms_while_the_worst_body_of_each_ro
 ) -> None:
     """The hostile request is sent from a thread (its upload must not hold this test's loop) while
     /health/live is asked in a loop. Result: the hostile request gets its 4xx (or 503: minilm has no
-    worker), never a 500, and the probes answered while it was in flight took under 100 ms. On a
-    2-core machine shared with other jobs the kernel alone stalls a process now and then, so one
-    probe in 20 may be late, none by a second; an event loop held by the request makes every probe
-    of that time late (the request is sent again until 5 probes ran, so a short hold repeats)."""
+    worker), never a 500, and the probes answered while it was in flight took under 100 ms times
+    the machine's load (RunQueue: the upload, the gateway and the other tests share two cores). The
+    kernel alone stalls a process now and then, so one probe in 20 may be late, none by a second;
+    an event loop held by the request makes every probe of that time late (the request is sent
+    again until 5 probes ran, so a short hold repeats)."""
     assert len(body) <= CAP
     hostile = asyncio.ensure_future(asyncio.to_thread(post, stack.url + path, body, headers))
     latencies_ms: list[float] = []
+    run_queue = RunQueue()
     while not hostile.done() or len(latencies_ms) < 5:
+        run_queue.sample()
         started = time.monotonic()
         assert (await client.get("/health/live")).status_code == 200
         if not hostile.done():
@@ -177,8 +181,10 @@ async def test_health_live_answers_within_100_ms_while_the_worst_body_of_each_ro
         await asyncio.sleep(0.01)
     status = hostile.result()
     assert status in (400, 413, 422, 503), (name, status)
-    late = [round(ms) for ms in latencies_ms if ms >= 100]
-    summary = f"{len(late)} late of {len(latencies_ms)}, median {statistics.median(latencies_ms):.1f} ms: {late}"
+    slack = run_queue.slack()
+    late = [round(ms) for ms in latencies_ms if ms >= 100 * slack]
+    summary = (f"{len(late)} late of {len(latencies_ms)}, median {statistics.median(latencies_ms):.1f} ms: "
+               f"{late}, {slack=:.2f}")
     assert len(late) <= len(latencies_ms) // 20 and max(latencies_ms) < 1000, (name, summary)
 
 
@@ -232,13 +238,18 @@ async def test_four_unclosed_bodies_at_the_cap_get_their_4xx_within_a_second_and
         lone_gateway: Stack) -> None:
     """Four such bodies at once, one per route, each sent from its own thread. Result: each gets a
     4xx (413: its values counted off the loop) within 1 s of its first byte (parsed on the loop they
-    took 17 s), and /health/live answers within 300 ms throughout, as long as any is in flight; both
-    bounds times load_slack() (the count runs in a niced helper: a busy machine serves it last)."""
+    took 17 s) plus the time the kernel kept the gateway, its niced counting helper and this test's
+    uploads waiting for a core (RunnableWait), and /health/live answers within 300 ms times the
+    machine's load (RunQueue) throughout, as long as any is in flight."""
+    assert lone_gateway.gateway is not None
+    waited = RunnableWait(lone_gateway.gateway.pid, os.getpid())
     hostile = [asyncio.ensure_future(asyncio.to_thread(timed_post, lone_gateway.url + path, body))
                for path, body in unclosed_bodies()]
     latencies_ms: list[float] = []
     client = httpx.AsyncClient(base_url=lone_gateway.url, timeout=60)
+    run_queue = RunQueue()
     while not all(request.done() for request in hostile) or not latencies_ms:
+        run_queue.sample()
         started = time.monotonic()
         assert (await client.get("/health/live")).status_code == 200
         latencies_ms.append((time.monotonic() - started) * 1000)
@@ -246,6 +257,6 @@ async def test_four_unclosed_bodies_at_the_cap_get_their_4xx_within_a_second_and
     await client.aclose()
     answers = [request.result() for request in hostile]
     assert all(400 <= status < 500 for status, _ in answers), answers
-    slack = load_slack()
-    assert max(seconds for _, seconds in answers) < 1 * slack, (answers, slack)
+    waited_s, slack = waited.seconds(), run_queue.slack()
+    assert max(seconds for _, seconds in answers) < 1 + waited_s, (answers, waited_s)
     assert max(latencies_ms) < 300 * slack, f"{len(latencies_ms)} probes, slowest {max(latencies_ms):.0f} ms, {slack=}"
