@@ -7,9 +7,9 @@ it, and leaves no weight in the file it was loaded from."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -124,7 +124,7 @@ def test_every_row_count_onednn_takes_is_built_while_loading() -> None:
 
 
 def _resident_bytes() -> int:
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return int(psutil.Process().memory_info().rss)
 
 
 def test_every_weight_and_buffer_leaves_the_loaded_file(tmp_path: Path) -> None:
